@@ -1,0 +1,5 @@
+import sys
+
+from kvd.cli import main
+
+sys.exit(main())

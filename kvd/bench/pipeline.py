@@ -1,0 +1,261 @@
+"""``kvd bench pipeline``: kvd's notification path against bare ZMQ relays, in the same run.
+
+Every target gets identical traffic from this process (PUSH to its ingest socket, SUB on its
+events socket). The cache is NHD and the notifications say NHD, so the transform has no work and
+the figures are the pipeline's own cost. Rounds alternate between the targets; each figure is
+the median over rounds, each ratio the median of the per-round ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from kvd.client import read_done_message
+from kvd.daemon_process import DaemonProcess
+from kvd.shm import ShmCache
+
+CACHE_ID = "bench"
+TARGET_P50 = 1.3
+TARGET_THROUGHPUT = 0.9
+
+
+@dataclass
+class Figures:
+    throughput: float
+    """Notifications per second, first sent to last event received."""
+    p50_us: float
+    p99_us: float
+
+
+class _Target:
+    """Sockets to one system under test: PUSH to its ingest, SUB on its events."""
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], ingest: str, events: str) -> None:
+        self.push = ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.SNDHWM, 0)
+        self.push.setsockopt(zmq.LINGER, 0)
+        self.push.connect(ingest)
+        self.sub = ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.RCVHWM, 0)
+        self.sub.setsockopt(zmq.LINGER, 0)
+        self.sub.setsockopt(zmq.SUBSCRIBE, CACHE_ID.encode())
+        self.sub.connect(events)
+
+    def warm_up(self, make: Callable[[str], bytes]) -> None:
+        """Send until events flow (SUB connections are established asynchronously)."""
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            self.push.send(make("warmup"))
+            if self.sub.poll(100):
+                break
+        else:
+            raise RuntimeError("no events from the target within 10s")
+        time.sleep(0.2)
+        while self.sub.poll(0):
+            self.sub.recv_multipart()
+
+    def close(self) -> None:
+        self.push.close()
+        self.sub.close()
+
+
+def _messages(prefix: str, blocks: int) -> Callable[[str], bytes]:
+    ids = list(range(blocks))
+    counter = iter(range(1 << 62))
+
+    def make(tag: str) -> bytes:
+        return read_done_message(
+            f"{prefix}-{tag}-{next(counter)}",
+            CACHE_ID,
+            ids,
+            remote_layout="NHD",
+            block_size_ratio=1,
+        )
+
+    return make
+
+
+def measure(target: _Target, make: Callable[[str], bytes], messages: int, samples: int) -> Figures:
+    # Throughput: one thread sends as fast as it can while this one counts events.
+    frames = [make("tp") for _ in range(messages)]
+
+    def send() -> None:
+        for frame in frames:
+            target.push.send(frame)
+
+    sender = threading.Thread(target=send)
+    start = time.perf_counter()
+    sender.start()
+    for _ in range(messages):
+        target.sub.recv_multipart()
+    elapsed = time.perf_counter() - start
+    sender.join()
+
+    # Latency: one notification at a time, ReadDone sent to its event received.
+    latencies = []
+    for _ in range(samples):
+        frame = make("lat")
+        t0 = time.perf_counter_ns()
+        target.push.send(frame)
+        target.sub.recv_multipart()
+        latencies.append((time.perf_counter_ns() - t0) / 1000)
+    latencies.sort()
+    return Figures(
+        throughput=messages / elapsed,
+        p50_us=latencies[len(latencies) // 2],
+        p99_us=latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))],
+    )
+
+
+FLOORS = ("relay-api", "relay-raw")
+"""relay-api is the bare pyzmq relay the targets refer to; relay-raw uses kvd's own socket calls."""
+
+
+def run(args: argparse.Namespace) -> int:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    work = Path(tempfile.mkdtemp(prefix="kvd-bench-"))
+    kvd_args = ["--log-level", "warning"]
+    if args.batch_window_us is not None:
+        kvd_args += ["--batch-window-us", str(args.batch_window_us)]
+    daemon = DaemonProcess(*kvd_args, runtime_dir=work / "kvd")
+    relays: dict[str, subprocess.Popen[bytes]] = {}
+    cache = ShmCache.create(
+        num_layers=1,
+        num_blocks=max(64, args.blocks),
+        block_size=16,
+        num_heads=1,
+        head_dim=8,
+        layout="NHD",
+    )
+    targets: dict[str, _Target] = {}
+    rounds: dict[str, list[Figures]] = {name: [] for name in ("kvd", *FLOORS)}
+    try:
+        for name in FLOORS:
+            flavour = name.removeprefix("relay-")
+            ingest, events = f"ipc://{work}/{name}-ingest.sock", f"ipc://{work}/{name}-events.sock"
+            relay = relays[name] = subprocess.Popen(
+                [sys.executable, "-m", "kvd.bench.relay", flavour, ingest, events],
+                stdout=subprocess.PIPE,
+            )
+            if relay.stdout is None or relay.stdout.readline().strip() != b"ready":
+                raise RuntimeError(f"the {name} relay did not start")
+            targets[name] = _Target(ctx, ingest, events)
+        daemon.start()
+        with daemon.client() as client:
+            client.attach(CACHE_ID, cache.specs)
+            window = client.status().batch_window_us
+        endpoints = daemon.endpoints()
+        targets["kvd"] = _Target(ctx, endpoints.ingest, endpoints.events)
+        makers = {name: _messages(name, args.blocks) for name in targets}
+        for name, target in targets.items():
+            target.warm_up(makers[name])
+        for r in range(args.rounds):
+            order = ["relay-api", "kvd", "relay-raw"]
+            if r % 2:
+                order.reverse()
+            for name in order:
+                figures = measure(targets[name], makers[name], args.messages, args.latency_samples)
+                rounds[name].append(figures)
+                if not args.json:
+                    print(
+                        f"round {r + 1}/{args.rounds} {name:9}: {figures.throughput:10,.0f} msg/s"
+                        f"  p50 {figures.p50_us:7.1f} us  p99 {figures.p99_us:7.1f} us",
+                        file=sys.stderr,
+                    )
+    finally:
+        for target in targets.values():
+            target.close()
+        ctx.term()
+        for relay in relays.values():
+            relay.kill()
+            relay.wait()
+        daemon.stop()
+        cache.close()
+
+    report = _report(args, window, rounds)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(_table(report))
+    return 0
+
+
+def _median(rounds: list[Figures], field: str) -> float:
+    return float(statistics.median(getattr(f, field) for f in rounds))
+
+
+def _ratios(kvd: list[Figures], floor: list[Figures]) -> dict[str, float]:
+    pairs = list(zip(kvd, floor, strict=True))
+    return {
+        "throughput": statistics.median(k.throughput / f.throughput for k, f in pairs),
+        "p50": statistics.median(k.p50_us / f.p50_us for k, f in pairs),
+        "p99": statistics.median(k.p99_us / f.p99_us for k, f in pairs),
+    }
+
+
+def _report(
+    args: argparse.Namespace, window: int, rounds: dict[str, list[Figures]]
+) -> dict[str, object]:
+    ratios = {floor: _ratios(rounds["kvd"], rounds[floor]) for floor in FLOORS}
+    against = ratios["relay-api"]
+    return {
+        "benchmark": "pipeline",
+        "rounds": args.rounds,
+        "messages": args.messages,
+        "latency_samples": args.latency_samples,
+        "blocks_per_notification": args.blocks,
+        "batch_window_us": window,
+        "figures": {
+            name: {k: _median(rs, k) for k in asdict(rs[0])} for name, rs in rounds.items()
+        },
+        "ratios": ratios,
+        "targets": {
+            "against": "relay-api",
+            "p50_at_most": TARGET_P50,
+            "throughput_at_least": TARGET_THROUGHPUT,
+        },
+        "meets_targets": against["p50"] <= TARGET_P50
+        and against["throughput"] >= TARGET_THROUGHPUT,
+    }
+
+
+def _table(report: dict[str, Any]) -> str:
+    figures, ratios = report["figures"], report["ratios"]
+    lines = [
+        f"kvd bench pipeline: {report['rounds']} rounds, {report['messages']} notifications "
+        f"per throughput run, {report['latency_samples']} latency samples, "
+        f"{report['blocks_per_notification']} blocks each, batch window "
+        f"{report['batch_window_us']} us",
+        "",
+        f"{'':20}{'relay-api':>11}{'relay-raw':>11}{'kvd':>11}"
+        f"{'kvd/api':>10}{'kvd/raw':>10}  target (vs relay-api)",
+    ]
+    rows = [
+        ("throughput (msg/s)", "throughput", "{:,.0f}", f">= {TARGET_THROUGHPUT}x"),
+        ("latency p50 (us)", "p50_us", "{:.1f}", f"<= {TARGET_P50}x"),
+        ("latency p99 (us)", "p99_us", "{:.1f}", ""),
+    ]
+    for label, field, fmt, target in rows:
+        key = field.removesuffix("_us")
+        cells = "".join(
+            f"{fmt.format(figures[n][field]):>11}" for n in ("relay-api", "relay-raw", "kvd")
+        )
+        lines.append(
+            f"{label:20}{cells}{ratios['relay-api'][key]:>9.2f}x{ratios['relay-raw'][key]:>9.2f}x"
+            f"  {target}"
+        )
+    lines += ["", "meets targets: " + ("yes" if report["meets_targets"] else "no")]
+    return "\n".join(lines)

@@ -1,0 +1,327 @@
+"""The ``kvd`` command: serve, tail, status, bench.
+
+Heavy modules (torch, the daemon) are imported inside each command so ``--help`` stays quick.
+Exit codes: 0 success, 1 failure at run time, 2 bad usage or configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from kvd import __version__
+from kvd.config import FIELDS, ConfigError, field_help
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "run"):
+        parser.print_help()
+        return 2
+    try:
+        code: int = args.run(args)
+    except KeyboardInterrupt:
+        return 130
+    return code
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvd",
+        description=(
+            "kvd post-processes NIXL-received KV-cache blocks next to a decode GPU and "
+            "announces when they are ready."
+        ),
+    )
+    parser.add_argument("--version", action="version", version=f"kvd {__version__}")
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND")
+    _add_serve(commands)
+    _add_tail(commands)
+    _add_status(commands)
+    _add_bench(commands)
+    return parser
+
+
+# -- serve --------------------------------------------------------------------------------------
+
+
+def _add_serve(commands: Any) -> None:
+    serve = commands.add_parser(
+        "serve",
+        help="run the daemon",
+        description=(
+            "Run the kvd daemon. Settings come from embedded defaults, then --config, then "
+            "KVD_<NAME> environment variables (e.g. KVD_BATCH_WINDOW_US=50), then these flags."
+        ),
+    )
+    serve.add_argument("--config", metavar="PATH", help="TOML file with the settings below")
+    defaults = msgspec.structs.asdict(_default_config())
+    for name, annotated in FIELDS.items():
+        base = (
+            typing.get_args(annotated)[0]
+            if typing.get_origin(annotated) is typing.Annotated
+            else annotated
+        )
+        kwargs: dict[str, Any] = {
+            "default": None,
+            "help": f"{field_help(name)} (default: {defaults[name]!r})",
+        }
+        if typing.get_origin(base) is typing.Literal:
+            kwargs["choices"] = list(typing.get_args(base))
+        else:
+            kwargs["metavar"] = name.upper()
+        serve.add_argument(f"--{name.replace('_', '-')}", dest=name, **kwargs)
+    serve.set_defaults(run=_serve)
+
+
+def _default_config() -> Any:
+    from kvd.config import Config
+
+    return Config()
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kvd.config import load_config
+    from kvd.logs import setup_logging
+    from kvd.server import Server
+
+    overrides = {name: getattr(args, name) for name in FIELDS}
+    try:
+        config = load_config(args.config, overrides=overrides)
+    except ConfigError as exc:
+        print(f"kvd serve: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(config.log_level, config.log_format)
+    return Server(config).run()
+
+
+# -- client commands ----------------------------------------------------------------------------
+
+
+def _add_locator(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument(
+        "--runtime-dir",
+        default=os.environ.get("KVD_RUNTIME_DIR"),
+        help="the daemon's runtime directory (default: $KVD_RUNTIME_DIR, else as kvd serve)",
+    )
+    cmd.add_argument(
+        "--gpu", default=os.environ.get("KVD_GPU", "0"), help="instance name (default: %(default)s)"
+    )
+    cmd.add_argument(
+        "--timeout", type=float, default=5.0, help="seconds to wait for kvd (default: %(default)s)"
+    )
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from kvd.client import Client
+
+    return Client(args.runtime_dir, gpu=args.gpu, timeout=args.timeout)
+
+
+def _add_tail(commands: Any) -> None:
+    tail = commands.add_parser(
+        "tail",
+        help="print completion events as JSON lines",
+        description=(
+            "Subscribe to kvd's events and print one JSON object per line: topic, seq, and the "
+            "event's fields. Gaps are filled by replay; lost events are reported on stderr."
+        ),
+    )
+    _add_locator(tail)
+    tail.add_argument(
+        "--cache",
+        action="append",
+        default=[],
+        metavar="ID",
+        help="only this cache's events (repeatable; default: every cache)",
+    )
+    tail.add_argument(
+        "--from-seq",
+        type=int,
+        metavar="N",
+        help="first replay each --cache from seq N (1 = everything still buffered)",
+    )
+    tail.add_argument("--count", type=int, metavar="N", help="exit after N events")
+    tail.set_defaults(run=_tail)
+
+
+def _tail(args: argparse.Namespace) -> int:
+    from kvd.client import EventsLost, ReplayError
+
+    if args.from_seq is not None and not args.cache:
+        print("kvd tail: --from-seq needs at least one --cache", file=sys.stderr)
+        return 2
+    client = _client(args)
+    shown = 0
+    try:
+        with client.subscribe(args.cache, from_seq=args.from_seq) as events:
+            while args.count is None or shown < args.count:
+                try:
+                    delivery = next(events)
+                except EventsLost as exc:
+                    print(f"kvd tail: {exc}", file=sys.stderr)
+                    continue
+                except ReplayError as exc:
+                    print(f"kvd tail: {exc}", file=sys.stderr)
+                    return 1
+                fields = msgspec.to_builtins(delivery.event)
+                line = {"topic": delivery.topic, "seq": delivery.seq, **fields}
+                print(json.dumps(line), flush=True)
+                shown += 1
+    except BrokenPipeError:
+        return 0
+    finally:
+        client.close()
+    return 0
+
+
+def _add_status(commands: Any) -> None:
+    status = commands.add_parser(
+        "status",
+        help="show the daemon's status or one request's state",
+        description="Ask a running kvd for its status: caches, counters, rejections.",
+    )
+    _add_locator(status)
+    status.add_argument("--json", action="store_true", help="print the reply as JSON")
+    status.add_argument("--req", metavar="REQ_ID", help="show one request's state instead")
+    status.set_defaults(run=_status)
+
+
+def _status(args: argparse.Namespace) -> int:
+    from kvd.client import KvdError, KvdTimeout
+
+    client = _client(args)
+    try:
+        reply = client.request_status(args.req) if args.req else client.status()
+    except KvdTimeout as exc:
+        print(f"kvd status: {exc}", file=sys.stderr)
+        return 1
+    except KvdError as exc:
+        print(f"kvd status: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    if args.json:
+        print(json.dumps(msgspec.to_builtins(reply), indent=2))
+    else:
+        print(format_status(reply))
+    return 0
+
+
+def format_status(reply: Any) -> str:
+    from kvd.protocol import RequestStatus
+
+    if isinstance(reply, RequestStatus):
+        lines = [f"request  {reply.req_id}", f"state    {reply.state}"]
+        if reply.cache_id:
+            lines.append(f"cache    {reply.cache_id}")
+        if reply.code:
+            lines.append(f"code     {reply.code}")
+            lines.append(f"message  {reply.message}")
+        return "\n".join(lines)
+    lines = [
+        f"kvd {reply.version} (protocol {reply.protocol_version}), pid {reply.pid}, "
+        f"up {reply.uptime_s:.0f}s",
+        f"device {reply.device}, batch window {reply.batch_window_us} us, "
+        f"max {reply.max_batch_blocks} blocks per batch, {reply.in_flight} requests in flight",
+        "",
+    ]
+    rows = [("CACHE", "BLOCKS", "BLOCK SIZE", "TENSORS", "MiB", "IN FLIGHT")]
+    rows += [
+        (
+            c.cache_id,
+            str(c.num_blocks),
+            str(c.block_size),
+            str(c.num_tensors),
+            f"{c.nbytes / 2**20:.1f}",
+            str(c.in_flight),
+        )
+        for c in reply.caches
+    ]
+    if len(rows) == 1:
+        lines.append("no caches attached")
+    else:
+        lines += _table(rows)
+    lines.append("")
+    lines += _table([("COUNTER", "VALUE"), *((k, str(v)) for k, v in reply.counters.items())])
+    if reply.rejections:
+        lines.append("")
+        lines += _table(
+            [("REJECTED", "COUNT"), *((k, str(v)) for k, v in reply.rejections.items())]
+        )
+    return "\n".join(lines)
+
+
+def _table(rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [
+        "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows
+    ]
+
+
+# -- bench --------------------------------------------------------------------------------------
+
+
+def _add_bench(commands: Any) -> None:
+    bench = commands.add_parser(
+        "bench",
+        help="measure kvd against a baseline in the same run",
+        description="Benchmarks print ratios against a baseline measured in the same run.",
+    )
+    which = bench.add_subparsers(title="benchmarks", metavar="BENCH")
+    pipeline = which.add_parser(
+        "pipeline",
+        help="notification throughput and ReadDone->Ready latency vs a bare ZMQ relay",
+        description=(
+            "Starts kvd serve and a bare pyzmq+msgspec relay (PUSH->PULL->PUB->SUB on ipc) and "
+            "measures, for each, sustained notifications per second and the latency from "
+            "ReadDone sent to Ready received, with transforms that need no work."
+        ),
+    )
+    pipeline.add_argument("--json", action="store_true", help="print one JSON object")
+    pipeline.add_argument(
+        "--messages",
+        type=int,
+        default=20000,
+        help="notifications per throughput run (default: %(default)s)",
+    )
+    pipeline.add_argument(
+        "--latency-samples",
+        type=int,
+        default=2000,
+        help="one-at-a-time round trips per latency run (default: %(default)s)",
+    )
+    pipeline.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="interleaved rounds of kvd and relay (default: %(default)s)",
+    )
+    pipeline.add_argument(
+        "--blocks", type=int, default=16, help="block ids per notification (default: %(default)s)"
+    )
+    pipeline.add_argument(
+        "--batch-window-us",
+        type=int,
+        default=None,
+        help="kvd's batch window for the run (default: kvd's default)",
+    )
+    pipeline.set_defaults(run=_bench_pipeline)
+
+
+def _bench_pipeline(args: argparse.Namespace) -> int:
+    from kvd.bench.pipeline import run
+
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,390 @@
+"""Client library for the engine side: control calls, notifications, and event subscriptions.
+
+``Client`` is synchronous, ``AsyncClient`` is for asyncio code; both locate a daemon by its
+runtime directory (``endpoints.json``) or by explicit endpoints. Their ``subscribe`` returns a
+subscription that yields events in sequence order per topic and replays gaps
+(``kvd.subscription``); ``ShmCache`` allocates a cache in shared memory for CPU use.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from kvd.protocol import (
+    Attach,
+    Attached,
+    ControlReply,
+    ControlRequest,
+    DaemonStatus,
+    Detach,
+    Detached,
+    Error,
+    Layout,
+    Ping,
+    Pong,
+    ReadDone,
+    ReadFailed,
+    RequestStatus,
+    Status,
+    TensorSpec,
+)
+from kvd.sockets import Endpoints, default_runtime_dir, read_endpoints
+from kvd.subscription import AsyncSubscription, Delivery, EventsLost, ReplayError, Subscription
+
+if TYPE_CHECKING:
+    from kvd.shm import ShmCache
+
+DEFAULT_TIMEOUT_S = 10.0
+
+
+class KvdError(Exception):
+    """kvd answered a control request with an Error."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class KvdTimeout(TimeoutError):
+    """kvd did not answer in time (is it running? is the runtime dir right?)."""
+
+
+def resolve_endpoints(
+    runtime_dir: str | Path | None = None,
+    *,
+    gpu: str = "0",
+    endpoints: Endpoints | None = None,
+) -> Endpoints:
+    if endpoints is not None:
+        return endpoints
+    if runtime_dir is None:
+        runtime_dir = os.environ.get("KVD_RUNTIME_DIR") or default_runtime_dir(gpu)
+    return read_endpoints(runtime_dir)
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_REPLY_DECODER = msgspec.msgpack.Decoder(ControlReply)
+
+
+def _unwrap(reply: ControlReply, expected: type[Any]) -> Any:
+    if isinstance(reply, Error):
+        raise KvdError(reply.code, reply.message)
+    if not isinstance(reply, expected):
+        raise KvdError(
+            "internal", f"expected a {expected.__name__} reply, got {type(reply).__name__}"
+        )
+    return reply
+
+
+def read_done_message(
+    req_id: str,
+    cache_id: str,
+    block_ids: Sequence[int],
+    *,
+    remote_layout: Layout,
+    block_size_ratio: int = 0,
+    remote_block_size: int = 0,
+    remote_engine_id: str = "",
+) -> bytes:
+    return _ENCODER.encode(
+        ReadDone(
+            req_id=req_id,
+            cache_id=cache_id,
+            remote_layout=remote_layout,
+            physical_block_ids=list(block_ids),
+            block_size_ratio=block_size_ratio,
+            remote_block_size=remote_block_size,
+            remote_engine_id=remote_engine_id,
+        )
+    )
+
+
+def read_failed_message(
+    req_id: str,
+    cache_id: str,
+    block_ids: Sequence[int],
+    reason: str = "",
+    remote_engine_id: str = "",
+) -> bytes:
+    return _ENCODER.encode(
+        ReadFailed(
+            req_id=req_id,
+            cache_id=cache_id,
+            physical_block_ids=list(block_ids),
+            reason=reason,
+            remote_engine_id=remote_engine_id,
+        )
+    )
+
+
+class Client:
+    """Synchronous client; one per thread (ZMQ sockets are not thread-safe)."""
+
+    def __init__(
+        self,
+        runtime_dir: str | Path | None = None,
+        *,
+        gpu: str = "0",
+        endpoints: Endpoints | None = None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        self.endpoints = resolve_endpoints(runtime_dir, gpu=gpu, endpoints=endpoints)
+        self.timeout = timeout
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._control: zmq.Socket[bytes] | None = None
+        self._push: zmq.Socket[bytes] | None = None
+
+    # -- control --------------------------------------------------------------------------------
+
+    def ping(self) -> Pong:
+        result: Pong = _unwrap(self._call(Ping()), Pong)
+        return result
+
+    def attach(self, cache_id: str, tensors: Sequence[TensorSpec]) -> Attached:
+        result: Attached = _unwrap(
+            self._call(Attach(cache_id=cache_id, tensors=list(tensors))), Attached
+        )
+        return result
+
+    def detach(self, cache_id: str) -> Detached:
+        result: Detached = _unwrap(self._call(Detach(cache_id=cache_id)), Detached)
+        return result
+
+    def status(self) -> DaemonStatus:
+        result: DaemonStatus = _unwrap(self._call(Status()), DaemonStatus)
+        return result
+
+    def request_status(self, req_id: str) -> RequestStatus:
+        result: RequestStatus = _unwrap(self._call(Status(req_id=req_id)), RequestStatus)
+        return result
+
+    def _call(self, request: ControlRequest) -> ControlReply:
+        sock = self._control_socket()
+        sock.send_multipart([b"", _ENCODER.encode(request)])
+        if not sock.poll(int(self.timeout * 1000)):
+            # A late reply would be taken for the next request's: start over with a new socket.
+            sock.close()
+            self._control = None
+            raise KvdTimeout(f"no reply from kvd at {self.endpoints.control} in {self.timeout}s")
+        frames = sock.recv_multipart()
+        return _REPLY_DECODER.decode(frames[-1])
+
+    def _control_socket(self) -> zmq.Socket[bytes]:
+        if self._control is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.endpoints.control)
+            self._control = sock
+        return self._control
+
+    # -- notifications --------------------------------------------------------------------------
+
+    def read_done(
+        self,
+        req_id: str,
+        cache_id: str,
+        block_ids: Sequence[int],
+        *,
+        remote_layout: Layout,
+        block_size_ratio: int = 0,
+        remote_block_size: int = 0,
+        remote_engine_id: str = "",
+    ) -> None:
+        """Tell kvd the READs of ``req_id`` landed in ``block_ids``; the answer is an event."""
+        self.send_raw(
+            read_done_message(
+                req_id,
+                cache_id,
+                block_ids,
+                remote_layout=remote_layout,
+                block_size_ratio=block_size_ratio,
+                remote_block_size=remote_block_size,
+                remote_engine_id=remote_engine_id,
+            )
+        )
+
+    def read_failed(
+        self,
+        req_id: str,
+        cache_id: str,
+        block_ids: Sequence[int],
+        reason: str = "",
+        remote_engine_id: str = "",
+    ) -> None:
+        self.send_raw(read_failed_message(req_id, cache_id, block_ids, reason, remote_engine_id))
+
+    def send_raw(self, frame: bytes) -> None:
+        """Send one already-encoded frame on the ingest socket (tests and tools)."""
+        if self._push is None:
+            sock = self._ctx.socket(zmq.PUSH)
+            # Keep unsent notifications for a while on close: losing one strands a request.
+            sock.setsockopt(zmq.LINGER, int(self.timeout * 1000))
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.connect(self.endpoints.ingest)
+            self._push = sock
+        self._push.send(frame)
+
+    # -- events ---------------------------------------------------------------------------------
+
+    def subscribe(self, topics: Iterable[str] = (), *, from_seq: int | None = None) -> Subscription:
+        """Events of ``topics`` (cache ids; all if empty). With ``from_seq``, start there."""
+        return Subscription(
+            self._ctx, self.endpoints, topics, from_seq=from_seq, timeout=self.timeout
+        )
+
+    def close(self) -> None:
+        """Close every socket of this client, its subscriptions' too, then the context.
+
+        Unsent notifications get the socket's linger (the client timeout) to go out.
+        """
+        self._ctx.destroy()
+        self._control = self._push = None
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """The asyncio flavour of ``Client`` (control calls and notifications)."""
+
+    def __init__(
+        self,
+        runtime_dir: str | Path | None = None,
+        *,
+        gpu: str = "0",
+        endpoints: Endpoints | None = None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        self.endpoints = resolve_endpoints(runtime_dir, gpu=gpu, endpoints=endpoints)
+        self.timeout = timeout
+        self._ctx = zmq.asyncio.Context()
+        self._control: zmq.asyncio.Socket | None = None
+        self._push: zmq.asyncio.Socket | None = None
+
+    async def ping(self) -> Pong:
+        result: Pong = _unwrap(await self._call(Ping()), Pong)
+        return result
+
+    async def attach(self, cache_id: str, tensors: Sequence[TensorSpec]) -> Attached:
+        reply = await self._call(Attach(cache_id=cache_id, tensors=list(tensors)))
+        result: Attached = _unwrap(reply, Attached)
+        return result
+
+    async def detach(self, cache_id: str) -> Detached:
+        result: Detached = _unwrap(await self._call(Detach(cache_id=cache_id)), Detached)
+        return result
+
+    async def status(self) -> DaemonStatus:
+        result: DaemonStatus = _unwrap(await self._call(Status()), DaemonStatus)
+        return result
+
+    async def request_status(self, req_id: str) -> RequestStatus:
+        result: RequestStatus = _unwrap(await self._call(Status(req_id=req_id)), RequestStatus)
+        return result
+
+    async def _call(self, request: ControlRequest) -> ControlReply:
+        if self._control is None:
+            self._control = self._ctx.socket(zmq.DEALER)
+            self._control.setsockopt(zmq.LINGER, 0)
+            self._control.connect(self.endpoints.control)
+        sock = self._control
+        await sock.send_multipart([b"", _ENCODER.encode(request)])
+        if not await sock.poll(int(self.timeout * 1000)):
+            sock.close()
+            self._control = None
+            raise KvdTimeout(f"no reply from kvd at {self.endpoints.control} in {self.timeout}s")
+        frames = await sock.recv_multipart()
+        return _REPLY_DECODER.decode(frames[-1])
+
+    async def read_done(
+        self,
+        req_id: str,
+        cache_id: str,
+        block_ids: Sequence[int],
+        *,
+        remote_layout: Layout,
+        block_size_ratio: int = 0,
+        remote_block_size: int = 0,
+        remote_engine_id: str = "",
+    ) -> None:
+        await self.send_raw(
+            read_done_message(
+                req_id,
+                cache_id,
+                block_ids,
+                remote_layout=remote_layout,
+                block_size_ratio=block_size_ratio,
+                remote_block_size=remote_block_size,
+                remote_engine_id=remote_engine_id,
+            )
+        )
+
+    async def read_failed(
+        self,
+        req_id: str,
+        cache_id: str,
+        block_ids: Sequence[int],
+        reason: str = "",
+        remote_engine_id: str = "",
+    ) -> None:
+        await self.send_raw(
+            read_failed_message(req_id, cache_id, block_ids, reason, remote_engine_id)
+        )
+
+    async def send_raw(self, frame: bytes) -> None:
+        if self._push is None:
+            self._push = self._ctx.socket(zmq.PUSH)
+            self._push.setsockopt(zmq.LINGER, int(self.timeout * 1000))
+            self._push.setsockopt(zmq.SNDHWM, 0)
+            self._push.connect(self.endpoints.ingest)
+        await self._push.send(frame)
+
+    def subscribe(
+        self, topics: Iterable[str] = (), *, from_seq: int | None = None
+    ) -> AsyncSubscription:
+        """Events of ``topics`` (cache ids; all if empty), for ``async for``."""
+        return AsyncSubscription(
+            self._ctx, self.endpoints, topics, from_seq=from_seq, timeout=self.timeout
+        )
+
+    def close(self) -> None:
+        """Close every socket of this client, its subscriptions' too, then the context.
+
+        Unsent notifications get the socket's linger (the client timeout) to go out.
+        """
+        self._ctx.destroy()
+        self._control = self._push = None
+
+
+def __getattr__(name: str) -> Any:
+    # ShmCache needs torch; importing it lazily keeps `kvd status` and `kvd tail` quick.
+    if name == "ShmCache":
+        from kvd.shm import ShmCache
+
+        return ShmCache
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "AsyncClient",
+    "AsyncSubscription",
+    "Client",
+    "Delivery",
+    "EventsLost",
+    "KvdError",
+    "KvdTimeout",
+    "ReplayError",
+    "ShmCache",
+    "Subscription",
+]

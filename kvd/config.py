@@ -1,0 +1,156 @@
+"""The daemon's typed configuration: embedded defaults < TOML file < KVD_* environment < flags.
+
+Every source is validated at the boundary; an error names the source and the field. The field
+descriptions below are also the ``--help`` of ``kvd serve``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+LogLevel = Literal["debug", "info", "warning", "error"]
+LogFormat = Literal["auto", "text", "json"]
+
+ENV_PREFIX = "KVD_"
+
+
+def _doc(text: str) -> msgspec.Meta:
+    return msgspec.Meta(description=text)
+
+
+class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    gpu: Annotated[
+        str,
+        _doc("Instance name, normally the decode GPU index; names the default runtime dir."),
+    ] = "0"
+    runtime_dir: Annotated[
+        str,
+        _doc(
+            "Directory for the ipc:// sockets and endpoints.json. Default: $RUNTIME_DIRECTORY "
+            "(set by systemd), else $XDG_RUNTIME_DIR/kvd/<gpu>, else /tmp/kvd-<uid>/<gpu>."
+        ),
+    ] = ""
+    control_endpoint: Annotated[
+        str, _doc("Control socket (ROUTER). Default ipc://<runtime_dir>/control.sock.")
+    ] = ""
+    ingest_endpoint: Annotated[
+        str,
+        _doc(
+            "Ingest socket (PULL) for ReadDone/ReadFailed. Default ipc://<runtime_dir>/ingest.sock."
+        ),
+    ] = ""
+    events_endpoint: Annotated[
+        str, _doc("Events socket (PUB) for Ready/Failed. Default ipc://<runtime_dir>/events.sock.")
+    ] = ""
+    replay_endpoint: Annotated[
+        str, _doc("Replay socket (ROUTER). Default ipc://<runtime_dir>/replay.sock.")
+    ] = ""
+    device: Annotated[str, _doc("Where the post-process runs: 'cpu' or 'cuda[:N]'.")] = "cpu"
+    batch_window_us: Annotated[
+        int,
+        msgspec.Meta(
+            ge=0,
+            le=1_000_000,
+            description=(
+                "Longest time (microseconds) the first request of a batch waits for others while "
+                "the executor is idle. 0 launches at once; batches still fill while the executor "
+                "is busy."
+            ),
+        ),
+    ] = 0
+    max_batch_blocks: Annotated[
+        int,
+        msgspec.Meta(ge=1, description="A batch is launched once it holds this many blocks."),
+    ] = 8192
+    replay_buffer: Annotated[
+        int,
+        msgspec.Meta(ge=1, description="Events kept per topic for replay."),
+    ] = 65536
+    max_message_bytes: Annotated[
+        int,
+        msgspec.Meta(
+            ge=1024,
+            description="Largest ingest or control message accepted; larger ones are rejected.",
+        ),
+    ] = 1 << 20
+    log_level: Annotated[LogLevel, _doc("Log threshold.")] = "info"
+    log_format: Annotated[
+        LogFormat,
+        _doc("'text' lines, 'json' lines, or 'auto' (text; no timestamps under journald)."),
+    ] = "auto"
+
+
+class ConfigError(ValueError):
+    """Bad configuration; the message names where it came from and the field."""
+
+
+FIELDS: dict[str, Any] = {f.name: f.type for f in msgspec.structs.fields(Config)}
+
+
+def field_help(name: str) -> str:
+    meta = _meta_of(name)
+    return meta.description if meta is not None and meta.description else ""
+
+
+def load_config(
+    path: str | Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Merge the sources in precedence order and validate the result."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        values.update(_read_file(Path(path)))
+    values.update(_read_env(os.environ if environ is None else environ))
+    for name, value in (overrides or {}).items():
+        if value is not None:
+            values[name] = _convert(name, value, f"--{name.replace('_', '-')}")
+    try:
+        return msgspec.convert(values, Config)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"configuration: {exc}") from exc
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+    try:
+        config = msgspec.toml.decode(data, type=Config)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
+    present = msgspec.toml.decode(data)
+    return {k: getattr(config, k) for k in present}
+
+
+def _read_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    values = {}
+    for key, raw in environ.items():
+        if not key.startswith(ENV_PREFIX):
+            continue
+        name = key[len(ENV_PREFIX) :].lower()
+        if name not in FIELDS:
+            continue  # KVD_* variables that are not settings (e.g. for clients) pass through
+        values[name] = _convert(name, raw, key)
+    return values
+
+
+def _convert(name: str, value: Any, source: str) -> Any:
+    try:
+        return msgspec.convert(value, FIELDS[name], strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}={value!r}: {exc}") from exc
+
+
+def _meta_of(name: str) -> msgspec.Meta | None:
+    annotated = FIELDS[name]
+    for extra in getattr(annotated, "__metadata__", ()):
+        if isinstance(extra, msgspec.Meta):
+            return extra
+    return None

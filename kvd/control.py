@@ -1,0 +1,229 @@
+"""The control socket: Attach, Detach, Status and Ping, each answered with one reply.
+
+Requests arrive on a ROUTER; REQ clients send (identity, empty, body) and DEALER clients
+(identity, body); the reply reuses the same envelope. Opening an Attach's memory runs in a
+worker thread, so a slow open never stalls ingest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import TYPE_CHECKING
+
+import msgspec
+import zmq
+
+from kvd import __version__
+from kvd.ledger import State
+from kvd.metrics import Metrics
+from kvd.pipeline import Pipeline
+from kvd.protocol import (
+    PROTOCOL_VERSION,
+    Attach,
+    Attached,
+    CacheInfo,
+    ControlReply,
+    ControlRequest,
+    DaemonStatus,
+    Detach,
+    Detached,
+    Error,
+    Ping,
+    Pong,
+    Reason,
+    RequestState,
+    RequestStatus,
+    Status,
+)
+from kvd.registry import AttachError, Registry
+
+if TYPE_CHECKING:
+    from kvd.config import Config
+
+log = logging.getLogger(__name__)
+
+_STATE_NAMES: dict[State, RequestState] = {
+    State.ACCEPTED: "accepted",
+    State.BATCHED: "batched",
+    State.LAUNCHED: "launched",
+    State.DONE: "done",
+}
+
+
+class Control:
+    def __init__(
+        self,
+        sock: zmq.Socket[bytes],
+        registry: Registry,
+        pipeline: Pipeline,
+        metrics: Metrics,
+        config: Config,
+    ) -> None:
+        self._sock = sock
+        self._registry = registry
+        self._pipeline = pipeline
+        self._metrics = metrics
+        self._config = config
+        self._decoder = msgspec.msgpack.Decoder(ControlRequest)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._started = time.monotonic()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._opening: set[str] = set()
+
+    def on_request(self, frames: list[bytes]) -> None:
+        if len(frames) < 2:
+            log.warning("control message without an envelope (%d frames) ignored", len(frames))
+            self._metrics.rejections.inc(Reason.INVALID_MESSAGE)
+            return
+        envelope, body = frames[:-1], frames[-1]
+        reply = self._decode(body)
+        if isinstance(reply, Error):
+            self._send(envelope, reply)
+            return
+        request = reply
+        if request.v != PROTOCOL_VERSION:
+            self._send(
+                envelope,
+                self._error(
+                    Reason.UNSUPPORTED_VERSION,
+                    f"v: protocol version {request.v} is not supported (this kvd speaks "
+                    f"{PROTOCOL_VERSION})",
+                ),
+            )
+            return
+        if isinstance(request, Attach):
+            task = asyncio.get_running_loop().create_task(self._attach(envelope, request))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            return
+        self._send(envelope, self._answer(request))
+
+    def _decode(self, body: bytes) -> Attach | Detach | Status | Ping | Error:
+        if len(body) > self._config.max_message_bytes:
+            return self._error(
+                Reason.MESSAGE_TOO_LARGE,
+                f"message is {len(body)} bytes, the limit is {self._config.max_message_bytes}",
+            )
+        try:
+            return self._decoder.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return self._error(Reason.INVALID_MESSAGE, str(exc))
+
+    def _answer(self, request: Detach | Status | Ping) -> ControlReply:
+        if isinstance(request, Ping):
+            return Pong(version=__version__, protocol_version=PROTOCOL_VERSION, pid=os.getpid())
+        if isinstance(request, Status):
+            if request.req_id is None:
+                return self.daemon_status()
+            return self.request_status(request.req_id)
+        return self._detach(request)
+
+    async def _attach(self, envelope: list[bytes], request: Attach) -> None:
+        cache_id = request.cache_id
+        if cache_id in self._registry or cache_id in self._opening:
+            self._send(
+                envelope,
+                self._error(Reason.CACHE_EXISTS, f"cache_id: {cache_id!r} is already attached"),
+            )
+            return
+        self._opening.add(cache_id)
+        try:
+            cache = await asyncio.to_thread(self._registry.open, request)
+            self._registry.add(cache)
+        except AttachError as exc:
+            self._send(envelope, self._error(exc.code, exc.message))
+            return
+        finally:
+            self._opening.discard(cache_id)
+        log.info(
+            "attached cache %r: %d tensors, %d blocks of %d tokens, %.1f MiB",
+            cache_id,
+            len(cache.tensors),
+            cache.num_blocks,
+            cache.block_size,
+            cache.nbytes / 2**20,
+        )
+        self._send(
+            envelope,
+            Attached(
+                cache_id=cache_id,
+                num_blocks=cache.num_blocks,
+                block_size=cache.block_size,
+                num_tensors=len(cache.tensors),
+                nbytes=cache.nbytes,
+            ),
+        )
+
+    def _detach(self, request: Detach) -> ControlReply:
+        cache_id = request.cache_id
+        if cache_id not in self._registry:
+            return self._error(Reason.UNKNOWN_CACHE, f"cache_id: {cache_id!r} is not attached")
+        busy = self._pipeline.ledger.in_flight(cache_id)
+        if busy:
+            return self._error(
+                Reason.CACHE_BUSY,
+                f"cache_id: {cache_id!r} has {busy} requests in flight; detach after they finish",
+            )
+        self._registry.remove(cache_id)
+        log.info("detached cache %r", cache_id)
+        return Detached(cache_id=cache_id)
+
+    def request_status(self, req_id: str) -> RequestStatus:
+        request = self._pipeline.ledger.get(req_id)
+        if request is not None:
+            return RequestStatus(
+                req_id=req_id, state=_STATE_NAMES[request.state], cache_id=request.cache_id
+            )
+        outcome = self._pipeline.ledger.finished(req_id)
+        if outcome is None:
+            return RequestStatus(req_id=req_id, state="unknown")
+        return RequestStatus(
+            req_id=req_id,
+            state="failed" if outcome.code else "ready",
+            cache_id=outcome.cache_id,
+            code=outcome.code,
+            message=outcome.message,
+        )
+
+    def daemon_status(self) -> DaemonStatus:
+        ledger = self._pipeline.ledger
+        return DaemonStatus(
+            version=__version__,
+            protocol_version=PROTOCOL_VERSION,
+            pid=os.getpid(),
+            uptime_s=round(time.monotonic() - self._started, 3),
+            device=str(self._registry.device),
+            batch_window_us=self._config.batch_window_us,
+            max_batch_blocks=self._config.max_batch_blocks,
+            in_flight=len(ledger),
+            caches=[
+                CacheInfo(
+                    cache_id=c.cache_id,
+                    num_blocks=c.num_blocks,
+                    block_size=c.block_size,
+                    num_tensors=len(c.tensors),
+                    nbytes=c.nbytes,
+                    in_flight=ledger.in_flight(c.cache_id),
+                )
+                for c in self._registry.caches()
+            ],
+            counters=self._metrics.counters(),
+            rejections=self._metrics.rejection_counts(),
+        )
+
+    def _error(self, code: Reason, message: str) -> Error:
+        self._metrics.rejections.inc(code)
+        log.warning("control request rejected (%s): %s", code.value, message)
+        return Error(code=code, message=message)
+
+    def _send(self, envelope: list[bytes], reply: ControlReply) -> None:
+        # ROUTER drops replies to peers that went away; that is the right answer to a gone peer.
+        self._sock.send_multipart([*envelope, self._encoder.encode(reply)], zmq.NOBLOCK)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

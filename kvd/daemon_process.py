@@ -1,0 +1,97 @@
+"""Run ``kvd serve`` as a child process and wait until it answers (benchmarks, demo, tests)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from kvd.client import Client, KvdTimeout
+from kvd.sockets import Endpoints, read_endpoints
+
+
+class DaemonError(RuntimeError):
+    pass
+
+
+class DaemonProcess:
+    """A ``kvd serve`` child with its own runtime directory (a fresh short temp dir by default)."""
+
+    def __init__(
+        self,
+        *args: str,
+        runtime_dir: str | Path | None = None,
+        env: dict[str, str] | None = None,
+        log_path: str | Path | None = None,
+    ) -> None:
+        self.runtime_dir = Path(runtime_dir or tempfile.mkdtemp(prefix="kvd-"))
+        self.args = list(args)
+        self.env = {**os.environ, **(env or {})}
+        self.log_path = Path(log_path) if log_path else self.runtime_dir / "kvd.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 30.0) -> DaemonProcess:
+        cmd = [sys.executable, "-m", "kvd", "serve", "--runtime-dir", str(self.runtime_dir)]
+        self.runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [*cmd, *self.args], stdout=log, stderr=subprocess.STDOUT, env=self.env
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise DaemonError(
+                    f"kvd serve exited with {self.proc.returncode}:\n{self.log_tail()}"
+                )
+            client = Client(self.runtime_dir, timeout=0.5)
+            try:
+                client.ping()
+                return self
+            except KvdTimeout:
+                pass
+            finally:
+                client.close()
+        self.kill()
+        raise DaemonError(f"kvd serve did not answer within {timeout}s:\n{self.log_tail()}")
+
+    def endpoints(self) -> Endpoints:
+        return read_endpoints(self.runtime_dir)
+
+    def client(self, timeout: float = 10.0) -> Client:
+        return Client(self.runtime_dir, timeout=timeout)
+
+    def stop(self, timeout: float = 20.0) -> int:
+        """SIGTERM (graceful drain) and wait; returns the exit code."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise DaemonError(f"kvd serve did not stop within {timeout}s") from None
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def __enter__(self) -> DaemonProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.stop()
+        finally:
+            self.kill()

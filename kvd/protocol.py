@@ -1,0 +1,354 @@
+"""The wire contract: every message kvd sends or receives, as msgspec Structs.
+
+Each socket carries one tagged union encoded as MessagePack; the tag field is ``type``.
+``protocol/README.md`` describes sockets, frames and semantics for implementers in other
+languages, and ``protocol/schema.json`` is generated from these Structs (a test fails when it
+drifts). Evolution rules: new fields get defaults and unknown fields are ignored, so a newer peer
+can talk to an older one; a breaking change bumps ``PROTOCOL_VERSION``. A message without ``v`` is
+version 1; every later version must send ``v``.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Final, Literal
+
+import msgspec
+
+PROTOCOL_VERSION: Final = 1
+
+# Event frames are (topic, seq, payload) with seq an unsigned 64-bit big-endian integer.
+# A replay answer ends with a frame whose seq is END_SEQ and whose payload is a ReplayEnd.
+SEQ_BYTES: Final = 8
+END_SEQ: Final = 2**64 - 1
+
+Layout = Literal["NHD", "HND"]
+"""Physical layout of one block: NHD (tokens, heads, head_dim) or HND (heads, tokens, head_dim)."""
+
+KVArrangement = Literal["split", "blocks_first", "single", "mla"]
+"""How K and V sit in one tensor.
+
+- ``split``: (2, num_blocks, *block): K and V are two halves of the tensor (FlashAttention).
+- ``blocks_first``: (num_blocks, 2, *block): each block holds its K then its V (FlashInfer).
+- ``single``: (num_blocks, *block): one of K or V on its own.
+- ``mla``: (num_blocks, block_size, head_dim): no head axis, nothing to rewrite.
+
+``*block`` is (block_size, num_heads, head_dim) for NHD and (num_heads, block_size, head_dim)
+for HND.
+"""
+
+DTypeName = Literal[
+    "float32",
+    "float16",
+    "bfloat16",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "uint8",
+    "int8",
+]
+
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class Reason(enum.StrEnum):
+    """Reason codes carried by ``Failed`` events and ``Error`` replies.
+
+    On the wire a code is a plain string, so a newer daemon may send codes an older client does
+    not know; clients must treat unknown codes as failures.
+    """
+
+    INVALID_MESSAGE = "invalid_message"
+    UNSUPPORTED_VERSION = "unsupported_version"
+    MESSAGE_TOO_LARGE = "message_too_large"
+    UNKNOWN_CACHE = "unknown_cache"
+    BLOCK_OUT_OF_RANGE = "block_out_of_range"
+    DUPLICATE_BLOCK_ID = "duplicate_block_id"
+    INVALID_RATIO = "invalid_ratio"
+    INVALID_LAYOUT = "invalid_layout"
+    BLOCK_IN_FLIGHT = "block_in_flight"
+    DUPLICATE_REQUEST = "duplicate_request"
+    READ_FAILED = "read_failed"
+    TRANSFORM_FAILED = "transform_failed"
+    SHUTTING_DOWN = "shutting_down"
+    CACHE_EXISTS = "cache_exists"
+    INVALID_CACHE = "invalid_cache"
+    MEMORY_UNAVAILABLE = "memory_unavailable"
+    CACHE_BUSY = "cache_busy"
+    INTERNAL = "internal"
+
+
+class _Message(msgspec.Struct, omit_defaults=True, gc=False, kw_only=True, tag_field="type"):
+    v: int = PROTOCOL_VERSION
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory references: where an attached tensor's bytes live.
+
+
+class ShmRef(msgspec.Struct, omit_defaults=True, gc=False, kw_only=True, tag="shm"):
+    """A POSIX shared-memory object ``/dev/shm/<name>``; the tensor starts ``offset`` bytes in."""
+
+    name: str
+    offset: NonNegative = 0
+
+
+class CudaIpcRef(msgspec.Struct, omit_defaults=True, gc=False, kw_only=True, tag="cuda_ipc"):
+    """A CUDA allocation exported with ``cudaIpcGetMemHandle`` (64-byte handle).
+
+    ``offset`` is the tensor's byte offset from the start of the exported allocation and
+    ``device_uuid`` the owning GPU (``GPU-...``), so that differing ``CUDA_VISIBLE_DEVICES`` in the
+    two processes cannot point kvd at the wrong device.
+    """
+
+    handle: bytes
+    offset: NonNegative = 0
+    device_uuid: str = ""
+
+
+MemoryRef = ShmRef | CudaIpcRef
+
+
+class TensorSpec(msgspec.Struct, omit_defaults=True, gc=False, kw_only=True):
+    """One physical KV-cache tensor of an attached cache (one layer, or one K or V part).
+
+    The tensor must be contiguous in ``shape``, which is the *physical* shape (see
+    ``KVArrangement`` and ``Layout``).
+    """
+
+    name: str
+    shape: list[int]
+    dtype: DTypeName
+    layout: Layout
+    kv_arrangement: KVArrangement
+    block_size: int
+    memory: MemoryRef
+
+
+# ---------------------------------------------------------------------------------------------
+# Control socket (ROUTER; clients REQ or DEALER): requests.
+
+
+class Attach(_Message, tag="attach"):
+    """Make a KV cache known to kvd. Every tensor must have the same num_blocks and block_size."""
+
+    cache_id: str
+    tensors: list[TensorSpec]
+
+
+class Detach(_Message, tag="detach"):
+    """Forget a cache. Refused with ``cache_busy`` while any of its requests is in flight."""
+
+    cache_id: str
+
+
+class Status(_Message, tag="status"):
+    """One request's state when ``req_id`` is given, else the daemon's status."""
+
+    req_id: str | None = None
+
+
+class Ping(_Message, tag="ping"):
+    pass
+
+
+ControlRequest = Attach | Detach | Status | Ping
+
+
+# Control socket: replies. Every request gets exactly one reply: a result or an Error.
+
+
+class Attached(_Message, tag="attached"):
+    cache_id: str
+    num_blocks: int
+    block_size: int
+    num_tensors: int
+    nbytes: int
+
+
+class Detached(_Message, tag="detached"):
+    cache_id: str
+
+
+RequestState = Literal["accepted", "batched", "launched", "done", "ready", "failed", "unknown"]
+"""``accepted -> batched -> launched -> done`` while in flight; ``ready``/``failed`` once its
+event is published; ``unknown`` when kvd never saw the request or has forgotten it."""
+
+
+class RequestStatus(_Message, tag="request_status"):
+    req_id: str
+    state: RequestState
+    cache_id: str = ""
+    code: str = ""
+    message: str = ""
+
+
+class CacheInfo(msgspec.Struct, omit_defaults=True, gc=False, kw_only=True):
+    cache_id: str
+    num_blocks: int
+    block_size: int
+    num_tensors: int
+    nbytes: int
+    in_flight: int = 0
+
+
+class DaemonStatus(_Message, tag="daemon_status"):
+    version: str
+    protocol_version: int
+    pid: int
+    uptime_s: float
+    device: str
+    batch_window_us: int
+    max_batch_blocks: int
+    in_flight: int
+    caches: list[CacheInfo] = []
+    counters: dict[str, int] = {}
+    rejections: dict[str, int] = {}
+
+
+class Pong(_Message, tag="pong"):
+    version: str
+    protocol_version: int
+    pid: int
+
+
+class Error(_Message, tag="error"):
+    code: str
+    message: str
+
+
+ControlReply = Attached | Detached | RequestStatus | DaemonStatus | Pong | Error
+
+
+# ---------------------------------------------------------------------------------------------
+# Ingest socket (PULL; clients PUSH): one-way notifications from the engine worker.
+
+
+class ReadDone(_Message, tag="read_done"):
+    """The NIXL READs of one request have finished; its blocks need the post-process.
+
+    Give either ``block_size_ratio`` (decode block size / prefill block size) or
+    ``remote_block_size``; 0 means "not given". ``physical_block_ids`` are local block ids, in
+    request order; kvd rewrites exactly these blocks and no other.
+    """
+
+    req_id: str
+    cache_id: str
+    remote_layout: Layout
+    physical_block_ids: list[int]
+    block_size_ratio: int = 0
+    remote_block_size: int = 0
+    remote_engine_id: str = ""
+
+
+class ReadFailed(_Message, tag="read_failed"):
+    """The READs of one request failed; kvd forwards this as a ``Failed`` event."""
+
+    req_id: str
+    cache_id: str
+    physical_block_ids: list[int] = []
+    reason: str = ""
+    remote_engine_id: str = ""
+
+
+IngestMessage = ReadDone | ReadFailed
+
+
+# ---------------------------------------------------------------------------------------------
+# Events socket (PUB; clients SUB). Topic = cache id (UTF-8); seq counts per topic from 1.
+
+
+class Ready(_Message, tag="ready"):
+    """The request's blocks hold the local layout; the first decode step may read them."""
+
+    req_id: str
+    cache_id: str
+    physical_block_ids: list[int]
+    remote_engine_id: str = ""
+    elapsed_us: int = 0
+
+
+class Failed(_Message, tag="failed"):
+    """The request's blocks must not be used: none were post-processed, or the post-process failed.
+
+    ``invalid_block_ids`` lists every block the notification named. ``code`` is a ``Reason``. For
+    ``duplicate_request`` the event answers the duplicate notification only: the earlier request
+    with that id is still in flight and ends with its own event.
+    """
+
+    req_id: str
+    cache_id: str
+    code: str
+    message: str
+    invalid_block_ids: list[int] = []
+    remote_engine_id: str = ""
+
+
+Event = Ready | Failed
+
+
+# Replay socket (ROUTER; clients DEALER).
+
+
+class Replay(_Message, tag="replay"):
+    """Resend the events of ``topic`` with seq >= ``from_seq`` that are still buffered."""
+
+    topic: str
+    from_seq: NonNegative
+
+
+class ReplayEnd(_Message, tag="replay_end"):
+    """Sentinel payload of a replay answer.
+
+    ``oldest_seq``..``newest_seq`` is what the buffer held for the topic (0 and 0 when empty). If
+    the requested ``from_seq`` is below ``oldest_seq``, the events in between are lost for good.
+    ``epoch`` identifies the daemon instance: a new value means kvd restarted and its sequence
+    numbers started again at 1.
+    """
+
+    topic: str
+    oldest_seq: int
+    newest_seq: int
+    epoch: int = 0
+    code: str = ""
+    message: str = ""
+
+
+class MessageHeader(msgspec.Struct, gc=False):
+    """The fields kvd needs to answer a notification it could not decode in full."""
+
+    type: str = ""
+    req_id: str = ""
+    cache_id: str = ""
+    physical_block_ids: list[int] = []
+    remote_engine_id: str = ""
+
+
+def decode_header(frame: bytes) -> MessageHeader | None:
+    """Best-effort read of the routing fields of a frame that failed full decoding."""
+    try:
+        return msgspec.msgpack.decode(frame, type=MessageHeader)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        pass
+    try:
+        # The block ids may be what is wrong; keep the routing fields anyway.
+        raw = msgspec.msgpack.decode(frame)
+    except msgspec.DecodeError:
+        return None
+    if not isinstance(raw, dict):
+        return None
+    header = MessageHeader()
+    for field in ("type", "req_id", "cache_id", "remote_engine_id"):
+        value = raw.get(field)
+        if isinstance(value, str):
+            setattr(header, field, value)
+    return header
+
+
+def encode_seq(seq: int) -> bytes:
+    return seq.to_bytes(SEQ_BYTES, "big")
+
+
+def decode_seq(frame: bytes) -> int:
+    if len(frame) != SEQ_BYTES:
+        raise ValueError(f"sequence frame must be {SEQ_BYTES} bytes, got {len(frame)}")
+    return int.from_bytes(frame, "big")

@@ -1,0 +1,214 @@
+"""Attached KV caches: opens the engine's tensors (shared memory on CPU, CUDA IPC on GPU).
+
+The registry owns the only references kvd holds to engine memory. Opening happens off the event
+loop (``Registry.open`` runs in a worker thread); lookups are plain dict reads.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvd.geometry import GeometryError, TensorGeometry, cache_geometry
+from kvd.postprocess import BlockRows, block_rows, row_permutation
+from kvd.protocol import Attach, CudaIpcRef, Reason, ShmRef, TensorSpec
+
+SHM_DIR = "/dev/shm"
+_SHM_NAME = re.compile(r"^[A-Za-z0-9._-]{1,255}$")
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+}
+
+
+class AttachError(Exception):
+    """An Attach that cannot be honoured; ``code`` is a ``Reason`` for the Error reply."""
+
+    def __init__(self, code: Reason, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(slots=True)
+class AttachedTensor:
+    spec: TensorSpec
+    geometry: TensorGeometry
+    tensor: torch.Tensor
+    """The engine's tensor in its physical shape and dtype."""
+
+
+@dataclass(slots=True)
+class AttachedCache:
+    cache_id: str
+    tensors: list[AttachedTensor]
+    num_blocks: int
+    block_size: int
+    device: torch.device
+    views: list[BlockRows] = field(default_factory=list)
+    """What the post-process works on: raw row views, two per split tensor, none for MLA."""
+    _needs_work: dict[tuple[int, str], bool] = field(default_factory=dict)
+
+    def needs_work(self, ratio: int, remote_layout: str) -> bool:
+        """Whether any view changes under (ratio, remote_layout); memoised per cache."""
+        key = (ratio, remote_layout)
+        known = self._needs_work.get(key)
+        if known is None:
+            known = self._needs_work[key] = any(
+                row_permutation(
+                    kv_parts=v.kv_parts,
+                    block_size=v.block_size,
+                    num_heads=v.num_heads,
+                    ratio=ratio,
+                    remote_layout=remote_layout,
+                    local_layout=v.layout,
+                )
+                is not None
+                for v in self.views
+            )
+        return known
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.geometry.nbytes for t in self.tensors)
+
+    @property
+    def work_bytes(self) -> int:
+        """Bytes of one block id across every view the post-process rewrites."""
+        return sum(v.rows.shape[1] * v.rows.shape[2] * v.rows.element_size() for v in self.views)
+
+
+class Registry:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._caches: dict[str, AttachedCache] = {}
+
+    def get(self, cache_id: str) -> AttachedCache | None:
+        return self._caches.get(cache_id)
+
+    def __contains__(self, cache_id: str) -> bool:
+        return cache_id in self._caches
+
+    def __len__(self) -> int:
+        return len(self._caches)
+
+    def caches(self) -> list[AttachedCache]:
+        return list(self._caches.values())
+
+    def open(self, request: Attach) -> AttachedCache:
+        """Check and open an Attach's tensors (blocking I/O: call from a worker thread).
+
+        The result is not registered yet: ``add`` does that on the event loop, so a cache id
+        becomes visible atomically with respect to ingest.
+        """
+        if not request.cache_id:
+            raise AttachError(Reason.INVALID_CACHE, "cache_id: must not be empty")
+        try:
+            geometries = cache_geometry(request.tensors)
+        except GeometryError as exc:
+            raise AttachError(Reason.INVALID_CACHE, str(exc)) from exc
+        tensors = [
+            AttachedTensor(spec, geometry, self._open_tensor(spec, geometry, f"tensors[{i}]"))
+            for i, (spec, geometry) in enumerate(zip(request.tensors, geometries, strict=True))
+        ]
+        return AttachedCache(
+            cache_id=request.cache_id,
+            tensors=tensors,
+            num_blocks=geometries[0].num_blocks,
+            block_size=geometries[0].block_size,
+            device=self.device,
+            views=_row_views(tensors),
+        )
+
+    def add(self, cache: AttachedCache) -> None:
+        if cache.cache_id in self._caches:
+            raise AttachError(Reason.CACHE_EXISTS, f"cache {cache.cache_id!r} is already attached")
+        self._caches[cache.cache_id] = cache
+
+    def remove(self, cache_id: str) -> AttachedCache:
+        return self._caches.pop(cache_id)
+
+    def _open_tensor(self, spec: TensorSpec, geometry: TensorGeometry, where: str) -> torch.Tensor:
+        memory = spec.memory
+        if isinstance(memory, ShmRef):
+            if self.device.type != "cpu":
+                raise AttachError(
+                    Reason.INVALID_CACHE,
+                    f"{where}.memory: shared memory needs a CPU daemon; this kvd runs on "
+                    f"{self.device}, attach with a cuda_ipc handle",
+                )
+            raw = open_shm(memory, geometry.nbytes, where)
+        elif isinstance(memory, CudaIpcRef):
+            raise AttachError(
+                Reason.MEMORY_UNAVAILABLE,
+                f"{where}.memory: cuda_ipc memory needs a daemon started with --device cuda",
+            )
+        dtype = TORCH_DTYPES[spec.dtype]
+        if memory.offset % dtype.itemsize:
+            raise AttachError(
+                Reason.INVALID_CACHE,
+                f"{where}.memory.offset: {memory.offset} is not a multiple of the {spec.dtype} "
+                f"item size {dtype.itemsize}",
+            )
+        return raw.view(dtype).view(spec.shape)
+
+
+def open_shm(memory: ShmRef, nbytes: int, where: str = "memory") -> torch.Tensor:
+    """Map ``nbytes`` of ``/dev/shm/<name>`` from ``memory.offset`` as a shared uint8 tensor."""
+    if not _SHM_NAME.match(memory.name) or memory.name in (".", ".."):
+        raise AttachError(
+            Reason.INVALID_CACHE,
+            f"{where}.memory.name: {memory.name!r} is not a shared-memory name "
+            "(letters, digits, '.', '_', '-'; no '/')",
+        )
+    path = os.path.join(SHM_DIR, memory.name)
+    try:
+        size = os.stat(path).st_size
+    except OSError as exc:
+        raise AttachError(
+            Reason.MEMORY_UNAVAILABLE, f"{where}.memory: cannot open {path}: {exc.strerror}"
+        ) from exc
+    end = memory.offset + nbytes
+    if size < end:
+        raise AttachError(
+            Reason.MEMORY_UNAVAILABLE,
+            f"{where}.memory: {path} holds {size} bytes, the tensor needs bytes "
+            f"{memory.offset}..{end}",
+        )
+    try:
+        mapped = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+    except RuntimeError as exc:
+        raise AttachError(
+            Reason.MEMORY_UNAVAILABLE, f"{where}.memory: cannot map {path}: {exc}"
+        ) from exc
+    return mapped[memory.offset : end]
+
+
+def _row_views(tensors: Sequence[AttachedTensor]) -> list[BlockRows]:
+    views = []
+    for t in tensors:
+        g = t.geometry
+        if g.arrangement == "mla":
+            continue  # no head axis: nothing to rewrite
+        parts = [t.tensor[0], t.tensor[1]] if g.arrangement == "split" else [t.tensor]
+        for part in parts:
+            views.append(
+                block_rows(
+                    part,
+                    layout=g.layout,
+                    block_size=g.block_size,
+                    num_heads=g.num_heads,
+                    kv_parts=g.kv_parts,
+                )
+            )
+    return views

@@ -1,0 +1,115 @@
+"""KV caches in POSIX shared memory, for CPU daemons, tests and demos.
+
+One file under ``/dev/shm`` holds every layer's tensor back to back (page-aligned); the specs it
+produces are what ``Client.attach`` sends, so kvd maps the same bytes the engine writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+
+import torch
+
+from kvd.protocol import DTypeName, KVArrangement, Layout, ShmRef, TensorSpec
+from kvd.registry import SHM_DIR, TORCH_DTYPES
+
+_ALIGN = 4096
+
+
+def physical_shape(
+    kv_arrangement: KVArrangement,
+    layout: Layout,
+    *,
+    num_blocks: int,
+    block_size: int,
+    num_heads: int,
+    head_dim: int,
+) -> list[int]:
+    """The physical shape of one tensor (see ``kvd.protocol.KVArrangement``)."""
+    if layout == "NHD":
+        block = [block_size, num_heads, head_dim]
+    else:
+        block = [num_heads, block_size, head_dim]
+    return {
+        "split": [2, num_blocks, *block],
+        "blocks_first": [num_blocks, 2, *block],
+        "single": [num_blocks, *block],
+        "mla": [num_blocks, block_size, head_dim],
+    }[kv_arrangement]
+
+
+class ShmCache:
+    """``num_layers`` cache tensors in ``/dev/shm/<name>``; ``tensors[i]`` matches ``specs[i]``."""
+
+    def __init__(self, name: str, tensors: list[torch.Tensor], specs: list[TensorSpec]) -> None:
+        self.name = name
+        self.path = os.path.join(SHM_DIR, name)
+        self.tensors = tensors
+        self.specs = specs
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_heads: int,
+        head_dim: int,
+        dtype: DTypeName = "bfloat16",
+        layout: Layout = "NHD",
+        kv_arrangement: KVArrangement = "split",
+        name: str | None = None,
+    ) -> ShmCache:
+        """Create and map a zero-filled cache; fails if ``name`` already exists."""
+        name = name or f"kvd-cache-{os.getpid()}-{secrets.token_hex(4)}"
+        shape = physical_shape(
+            kv_arrangement,
+            layout,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_heads=num_heads,
+            head_dim=head_dim,
+        )
+        torch_dtype = TORCH_DTYPES[dtype]
+        nbytes = torch_dtype.itemsize
+        for d in shape:
+            nbytes *= d
+        stride = -(-nbytes // _ALIGN) * _ALIGN
+        total = stride * num_layers
+        path = os.path.join(SHM_DIR, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
+        try:
+            os.ftruncate(fd, total)
+        finally:
+            os.close(fd)
+        mapped = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
+        tensors, specs = [], []
+        for layer in range(num_layers):
+            offset = layer * stride
+            tensors.append(mapped[offset : offset + nbytes].view(torch_dtype).view(shape))
+            specs.append(
+                TensorSpec(
+                    name=f"layer.{layer}",
+                    shape=list(shape),
+                    dtype=dtype,
+                    layout=layout,
+                    kv_arrangement=kv_arrangement,
+                    block_size=block_size,
+                    memory=ShmRef(name=name, offset=offset),
+                )
+            )
+        return cls(name, tensors, specs)
+
+    def close(self) -> None:
+        """Remove the shared-memory name; existing mappings (kvd's too) stay valid."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    def __enter__(self) -> ShmCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

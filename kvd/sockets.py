@@ -1,0 +1,221 @@
+"""Endpoints and sockets: where kvd listens, how it binds, and reading ZMQ sockets from asyncio.
+
+Endpoints default to ``ipc://`` files in the runtime directory. TCP endpoints bind loopback
+unless the host is given; port 0 picks a free port, and the bound address (``LAST_ENDPOINT``)
+is written to ``endpoints.json`` in the runtime directory so that clients never guess ports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import fcntl
+import json
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+ENDPOINT_NAMES = ("control", "ingest", "events", "replay")
+ENDPOINTS_FILE = "endpoints.json"
+LOCK_FILE = "kvd.lock"
+
+# sockaddr_un.sun_path is 108 bytes including the terminating NUL.
+_IPC_PATH_MAX = 107
+_TCP = re.compile(r"^tcp://(?:(?P<host>\[[^\]]+\]|[^:/\[\]]*):)?(?P<port>\d+|\*)$")
+
+
+class EndpointError(ValueError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoints:
+    control: str
+    ingest: str
+    events: str
+    replay: str
+
+    def as_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+
+def default_runtime_dir(gpu: str, environ: Mapping[str, str] | None = None) -> Path:
+    env = os.environ if environ is None else environ
+    # systemd may list several directories separated by ':'; ours is the first.
+    if env.get("RUNTIME_DIRECTORY"):
+        return Path(env["RUNTIME_DIRECTORY"].split(":")[0])
+    if env.get("XDG_RUNTIME_DIR"):
+        return Path(env["XDG_RUNTIME_DIR"]) / "kvd" / gpu
+    return Path(f"/tmp/kvd-{os.getuid()}") / gpu
+
+
+def normalize_endpoint(spec: str, runtime_dir: Path, name: str) -> str:
+    """The address to bind for one socket; raises ``EndpointError`` naming the socket."""
+    if not spec:
+        spec = f"ipc://{runtime_dir / f'{name}.sock'}"
+    if spec.startswith("ipc://"):
+        path = spec[len("ipc://") :]
+        if not path:
+            raise EndpointError(f"{name}_endpoint: ipc:// needs a path")
+        if len(os.fsencode(path)) > _IPC_PATH_MAX:
+            raise EndpointError(
+                f"{name}_endpoint: ipc path is {len(os.fsencode(path))} bytes, the limit is "
+                f"{_IPC_PATH_MAX}; use a shorter --runtime-dir"
+            )
+        return spec
+    if spec.startswith("tcp://"):
+        match = _TCP.match(spec)
+        if not match:
+            raise EndpointError(f"{name}_endpoint: {spec!r} is not tcp://[HOST:]PORT")
+        host = match["host"] or "127.0.0.1"
+        return f"tcp://{host}:{match['port']}"
+    raise EndpointError(f"{name}_endpoint: {spec!r} must start with ipc:// or tcp://")
+
+
+def prepare_runtime_dir(path: Path) -> None:
+    """Create the runtime directory if needed (systemd creates it under a unit)."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise EndpointError(f"runtime_dir: cannot create {path}: {exc.strerror}") from exc
+
+
+class RuntimeLock:
+    """An exclusive lock on the runtime directory, so two daemons never share sockets."""
+
+    def __init__(self, runtime_dir: Path) -> None:
+        self.path = runtime_dir / LOCK_FILE
+        self._fd = -1
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            if exc.errno in (errno.EAGAIN, errno.EACCES):
+                raise EndpointError(
+                    f"runtime_dir: another kvd (pid {holder}) is serving {self.path.parent}"
+                ) from exc
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def write_endpoints(runtime_dir: Path, endpoints: Endpoints) -> Path:
+    """Publish the bound addresses atomically for clients."""
+    target = runtime_dir / ENDPOINTS_FILE
+    tmp = target.with_suffix(".tmp")
+    tmp.write_text(json.dumps(endpoints.as_dict(), indent=2) + "\n")
+    tmp.replace(target)
+    return target
+
+
+def read_endpoints(runtime_dir: str | Path) -> Endpoints:
+    """The endpoints a daemon serving ``runtime_dir`` bound (falls back to the ipc defaults)."""
+    runtime_dir = Path(runtime_dir)
+    try:
+        data = json.loads((runtime_dir / ENDPOINTS_FILE).read_text())
+        return Endpoints(**{name: str(data[name]) for name in ENDPOINT_NAMES})
+    except (OSError, KeyError, TypeError, ValueError):
+        return Endpoints(
+            **{name: f"ipc://{runtime_dir / f'{name}.sock'}" for name in ENDPOINT_NAMES}
+        )
+
+
+def bind(sock: zmq.Socket[bytes], endpoint: str, name: str) -> str:
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as exc:
+        raise EndpointError(f"{name}_endpoint: cannot bind {endpoint}: {exc}") from exc
+    bound = sock.getsockopt(zmq.LAST_ENDPOINT)
+    assert isinstance(bound, bytes)
+    return bound.decode()
+
+
+_NOBLOCK = int(zmq.NOBLOCK)
+_POLLIN = int(zmq.POLLIN)
+_EVENTS = int(zmq.EVENTS)
+# pyzmq's Python-level Socket methods cost more than the ZMQ calls they wrap (and wrap flags in
+# enums); the hot paths call the compiled base class directly.
+_BaseSocket: Any = next((c for c in zmq.Socket.__mro__[1:] if "send" in vars(c)), zmq.Socket)
+raw_recv: Callable[..., bytes] = _BaseSocket.recv
+raw_send: Callable[..., None] = _BaseSocket.send
+_raw_get: Callable[..., Any] = _BaseSocket.get
+
+
+class SocketReader:
+    """Calls ``handle(frames)`` for each message on ``sock`` from the event loop, never blocking.
+
+    ZMQ's FD is edge-triggered: after a wake-up the socket is read until it is empty (or the
+    budget is spent, then the rest is read on the next loop iteration so other work can run),
+    and ``EVENTS`` is checked again because sending on the socket can consume the edge.
+
+    With ``multipart=False`` every frame is handed over as a message of its own: the ingest
+    socket's protocol is one frame per message, and skipping the RCVMORE query per frame halves
+    the cost of a read.
+    """
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        sock: zmq.Socket[bytes],
+        handle: Callable[[list[bytes]], None],
+        *,
+        after: Callable[[], None] | None = None,
+        budget: int = 512,
+        multipart: bool = True,
+    ) -> None:
+        self._loop = loop
+        self._sock = sock
+        self._handle = handle
+        self._after = after
+        self._budget = budget
+        self._multipart = multipart
+        self._fd = int(_raw_get(sock, zmq.FD))
+        self._scheduled = False
+        self._closed = False
+        loop.add_reader(self._fd, self._ready)
+        self._schedule()  # messages may have arrived before the reader was added
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._loop.remove_reader(self._fd)
+
+    def _schedule(self) -> None:
+        if not self._scheduled:
+            self._scheduled = True
+            self._loop.call_soon(self._ready)
+
+    def _ready(self) -> None:
+        self._scheduled = False
+        if self._closed:
+            return
+        sock = self._sock
+        handle = self._handle
+        try:
+            for _ in range(self._budget):
+                if self._multipart:
+                    handle(sock.recv_multipart(_NOBLOCK))
+                else:
+                    handle([raw_recv(sock, _NOBLOCK)])
+            self._schedule()  # budget spent: continue after other callbacks had a turn
+        except zmq.Again:
+            pass
+        if self._after is not None:
+            self._after()
+        if not self._closed and int(_raw_get(sock, _EVENTS)) & _POLLIN:
+            self._schedule()

@@ -1,0 +1,307 @@
+"""Event subscriptions: events in sequence order per topic, with gaps filled by replay.
+
+A subscriber tracks the next seq it expects per topic. A live event with a higher seq means it
+missed some (a reconnect, a subscriber past its high-water mark): it asks the replay socket for
+the events from the first missing one and delivers them in order before the live one. Because a
+lost *last* event is revealed by no later event, a subscription that hears nothing for
+``resync_interval`` seconds also asks the replay socket whether anything newer exists; the same
+check catches a connection that was still being set up when an event went out.
+
+A subscription to explicit topics delivers every event published after it was created (or from
+``from_seq``). Only when kvd's replay buffer no longer holds missing events, or kvd restarted and
+took unpublished events with it, is ``EventsLost`` raised, once, after every event that survived
+has been queued; iteration may continue after it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from kvd.protocol import END_SEQ, Event, Replay, ReplayEnd, decode_seq
+from kvd.sockets import Endpoints
+
+_ENCODER = msgspec.msgpack.Encoder()
+_EVENT_DECODER = msgspec.msgpack.Decoder(Event)
+_REPLAY_END_DECODER = msgspec.msgpack.Decoder(ReplayEnd)
+# Asking from a seq no topic reaches returns no events, only the ReplayEnd: the topic's newest.
+_BASELINE = 2**63
+DEFAULT_RESYNC_INTERVAL = 1.0
+
+
+class EventsLost(Exception):
+    """Events of ``topic`` from ``first_seq`` on are gone: up to ``last_seq``, or, when kvd
+    ``restarted``, every event the old daemon had not published (``last_seq`` is then -1).
+
+    Requests whose events may be among them should be asked about with ``request_status``.
+    """
+
+    def __init__(self, topic: str, first_seq: int, last_seq: int, restarted: bool = False) -> None:
+        what = "kvd restarted" if restarted else f"events {first_seq}..{last_seq} are gone"
+        super().__init__(f"topic {topic!r}: {what}; events from seq {first_seq} may be lost")
+        self.topic = topic
+        self.first_seq = first_seq
+        self.last_seq = last_seq
+        self.restarted = restarted
+
+
+class ReplayError(Exception):
+    """kvd refused or did not answer a replay request."""
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    topic: str
+    seq: int
+    event: Event
+
+
+@dataclass(frozen=True, slots=True)
+class _Gap:
+    """A replay to do: ``topic`` from ``from_seq`` (None: only learn the topic's newest seq)."""
+
+    topic: str
+    from_seq: int | None
+    live: tuple[int, bytes] | None = None
+    """The live (seq, payload) that revealed the gap, delivered after the replay."""
+
+
+class _Ordering:
+    """The pure part of a subscription: what to deliver, skip, or replay first."""
+
+    def __init__(self, topics: list[str], from_seq: int | None) -> None:
+        if from_seq is not None and not topics:
+            raise ValueError("from_seq needs explicit topics to replay")
+        self.topics = topics
+        self.expected: dict[str, int] = {}
+        # Topics whose latest duplicate was already checked against a replay (see live()).
+        self.checked: set[str] = set()
+        self.ready: deque[Delivery] = deque()
+        self.pending: deque[_Gap] = deque(_Gap(t, from_seq) for t in topics)
+        self.epoch: int | None = None
+
+    def live(self, topic_b: bytes, seq_b: bytes, payload: bytes) -> _Gap | None:
+        """Take one live event; returns the replay to do first when it needs one."""
+        topic = topic_b.decode()
+        if self.topics and topic not in self.topics:
+            return None  # a longer topic that shares the prefix we subscribed to
+        seq = decode_seq(seq_b)
+        expected = self.expected.setdefault(topic, seq)
+        if seq < expected:
+            # Usually the live copy of an event a replay already delivered. But after a kvd
+            # restart every live seq is "old" (they begin again at 1): one replay per run of
+            # duplicates tells, as its ReplayEnd then carries a new epoch.
+            if topic in self.checked:
+                return None
+            self.checked.add(topic)
+            return _Gap(topic, expected)
+        if seq > expected:
+            return _Gap(topic, expected, (seq, payload))
+        self._deliver(topic, seq, payload)
+        return None
+
+    def resync(self) -> list[_Gap]:
+        """Replays that would reveal events missed without a later event to show the gap."""
+        return [_Gap(topic, expected) for topic, expected in self.expected.items()]
+
+    def replayed(self, gap: _Gap, frames: list[tuple[int, bytes]], end_payload: bytes) -> None:
+        """Queue what a replay answer brought; raises EventsLost if some events are gone."""
+        end = _REPLAY_END_DECODER.decode(end_payload)
+        if end.code:
+            raise ReplayError(f"{end.code}: {end.message}")
+        topic = gap.topic
+        if self.epoch is None:
+            self.epoch = end.epoch
+        elif end.epoch != self.epoch:
+            self.epoch = end.epoch
+            first = self.expected.get(topic, 1)
+            for t in self.expected:
+                self.expected[t] = 1
+                self.pending.append(_Gap(t, 1))
+            raise EventsLost(topic, first, -1, restarted=True)
+        if gap.from_seq is None:
+            self.expected.setdefault(topic, end.newest_seq + 1)
+            return
+        self.expected.setdefault(topic, gap.from_seq)
+        for seq, payload in frames:
+            if seq >= self.expected[topic]:
+                self._deliver(topic, seq, payload)
+        if gap.live is not None and gap.live[0] >= self.expected[topic]:
+            self._deliver(topic, *gap.live)
+        if end.oldest_seq > gap.from_seq:
+            raise EventsLost(topic, gap.from_seq, end.oldest_seq - 1)
+
+    def _deliver(self, topic: str, seq: int, payload: bytes) -> None:
+        self.expected[topic] = seq + 1
+        self.checked.discard(topic)
+        self.ready.append(Delivery(topic, seq, _EVENT_DECODER.decode(payload)))
+
+
+def _configure_sub(sock: zmq.Socket[Any], endpoints: Endpoints, topics: list[str]) -> None:
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    for topic in topics or [""]:
+        sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
+    sock.connect(endpoints.events)
+
+
+def _replay_request(gap: _Gap) -> bytes:
+    from_seq = _BASELINE if gap.from_seq is None else gap.from_seq
+    return _ENCODER.encode(Replay(topic=gap.topic, from_seq=from_seq))
+
+
+class Subscription(Iterator[Delivery]):
+    """Synchronous subscription to ``topics`` (cache ids; every topic when empty).
+
+    With ``from_seq`` each topic is first replayed from that seq, so a subscriber that starts
+    late still sees everything kvd buffered (use 1 for "everything").
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        endpoints: Endpoints,
+        topics: Iterable[str] = (),
+        *,
+        from_seq: int | None = None,
+        timeout: float = 10.0,
+        resync_interval: float = DEFAULT_RESYNC_INTERVAL,
+    ) -> None:
+        self._order = _Ordering(list(topics), from_seq)
+        self._ctx = ctx
+        self._endpoints = endpoints
+        self._timeout_ms = int(timeout * 1000)
+        self._resync_ms = int(resync_interval * 1000)
+        self._sub = ctx.socket(zmq.SUB)
+        _configure_sub(self._sub, endpoints, self._order.topics)
+        if from_seq is None:
+            # Learn each topic's newest seq now: later events are then delivered even if the
+            # SUB connection is still being set up when they are published.
+            self._replay_all(self._order.pending)
+
+    def __next__(self) -> Delivery:
+        while True:
+            delivery = self.poll(self._resync_ms / 1000)
+            if delivery is not None:
+                return delivery
+
+    def poll(self, timeout: float) -> Delivery | None:
+        """The next delivery, or None if nothing arrives within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        order = self._order
+        while True:
+            self._replay_all(order.pending)
+            if order.ready:
+                return order.ready.popleft()
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            if remaining_ms < 0:
+                return None
+            if self._sub.poll(min(remaining_ms, self._resync_ms)):
+                gap = order.live(*self._sub.recv_multipart())
+                if gap is not None:
+                    self._replay(gap)
+            else:
+                order.pending.extend(order.resync())
+
+    def _replay_all(self, gaps: deque[_Gap]) -> None:
+        while gaps:
+            self._replay(gaps.popleft())
+
+    def _replay(self, gap: _Gap) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.connect(self._endpoints.replay)
+        frames = []
+        try:
+            sock.send(_replay_request(gap))
+            while True:
+                if not sock.poll(self._timeout_ms):
+                    raise ReplayError(f"no replay answer from {self._endpoints.replay}")
+                _, seq_b, payload = sock.recv_multipart()
+                seq = decode_seq(seq_b)
+                if seq == END_SEQ:
+                    break
+                frames.append((seq, payload))
+        finally:
+            sock.close()
+        self._order.replayed(gap, frames, payload)
+
+    def close(self) -> None:
+        self._sub.close()
+
+    def __enter__(self) -> Subscription:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncSubscription(AsyncIterator[Delivery]):
+    """The asyncio flavour of ``Subscription`` (``async for``; may raise EventsLost and go on).
+
+    The baseline replay of explicit topics happens on the first ``__anext__``; events published
+    between construction and then are still delivered (found by the idle resync).
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        endpoints: Endpoints,
+        topics: Iterable[str] = (),
+        *,
+        from_seq: int | None = None,
+        timeout: float = 10.0,
+        resync_interval: float = DEFAULT_RESYNC_INTERVAL,
+    ) -> None:
+        self._order = _Ordering(list(topics), from_seq)
+        self._ctx = ctx
+        self._endpoints = endpoints
+        self._timeout_ms = int(timeout * 1000)
+        self._resync_ms = int(resync_interval * 1000)
+        self._sub = ctx.socket(zmq.SUB)
+        _configure_sub(self._sub, endpoints, self._order.topics)
+
+    async def __anext__(self) -> Delivery:
+        order = self._order
+        while True:
+            while order.pending:
+                await self._replay(order.pending.popleft())
+            if order.ready:
+                return order.ready.popleft()
+            if await self._sub.poll(self._resync_ms):
+                gap = order.live(*await self._sub.recv_multipart())
+                if gap is not None:
+                    await self._replay(gap)
+            else:
+                order.pending.extend(order.resync())
+
+    async def _replay(self, gap: _Gap) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.connect(self._endpoints.replay)
+        frames = []
+        try:
+            await sock.send(_replay_request(gap))
+            while True:
+                if not await sock.poll(self._timeout_ms):
+                    raise ReplayError(f"no replay answer from {self._endpoints.replay}")
+                _, seq_b, payload = await sock.recv_multipart()
+                seq = decode_seq(seq_b)
+                if seq == END_SEQ:
+                    break
+                frames.append((seq, payload))
+        finally:
+            sock.close()
+        self._order.replayed(gap, frames, payload)
+
+    def close(self) -> None:
+        self._sub.close()

@@ -1,0 +1,94 @@
+"""Batching decisions with an explicit clock: grouping, the window, the block cap."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvd.batcher import Batcher
+from kvd.ledger import Request
+
+US = 1000
+
+
+def req(
+    req_id: str,
+    blocks: list[int],
+    *,
+    cache: str = "c",
+    ratio: int = 1,
+    layout: str = "HND",
+    at: int = 0,
+) -> Request:
+    return Request(
+        req_id=req_id,
+        cache_id=cache,
+        physical_block_ids=blocks,
+        block_size_ratio=ratio,
+        remote_layout=layout,
+        remote_engine_id="",
+        received_ns=at,
+    )
+
+
+def test_groups_by_cache_ratio_and_layout() -> None:
+    b = Batcher(window_ns=100 * US, max_blocks=100)
+    b.add(req("a", [1], ratio=1), 0)
+    b.add(req("b", [2], ratio=4), 0)
+    b.add(req("c", [3], ratio=1), 0)
+    b.add(req("d", [4], ratio=1, layout="NHD"), 0)
+    b.add(req("e", [5], ratio=1, cache="other"), 0)
+    batches = b.take_due(100 * US)
+    groups = {batch.key: [r.req_id for r in batch.requests] for batch in batches}
+    assert groups == {
+        ("c", 1, "HND"): ["a", "c"],
+        ("c", 4, "HND"): ["b"],
+        ("c", 1, "NHD"): ["d"],
+        ("other", 1, "HND"): ["e"],
+    }
+    assert [batch.block_ids() for batch in batches if batch.key == ("c", 1, "HND")] == [[1, 3]]
+    assert len(b) == 0
+
+
+def test_window_holds_batches_until_the_oldest_request_waited_long_enough() -> None:
+    b = Batcher(window_ns=100 * US, max_blocks=100)
+    b.add(req("a", [1]), 10 * US)
+    b.add(req("b", [2]), 90 * US)
+    assert b.take_due(109 * US) == []
+    assert b.next_deadline_ns() == 110 * US
+    (batch,) = b.take_due(110 * US)
+    assert [r.req_id for r in batch.requests] == ["a", "b"]
+    assert b.next_deadline_ns() is None
+
+
+def test_zero_window_launches_at_once() -> None:
+    b = Batcher(window_ns=0, max_blocks=100)
+    b.add(req("a", [1]), 5)
+    assert [r.req_id for r in b.take_due(5)[0].requests] == ["a"]
+
+
+def test_cap_closes_a_batch_and_never_splits_a_request() -> None:
+    b = Batcher(window_ns=10**9, max_blocks=4)
+    b.add(req("a", [1, 2]), 0)
+    b.add(req("b", [3, 4, 5]), 0)  # would exceed 4: "a" is closed, "b" opens a new batch
+    b.add(req("c", [6]), 0)  # "b" + "c" reach the cap exactly
+    b.add(req("d", list(range(10, 20))), 0)  # larger than the cap: a batch of its own
+    assert b.next_deadline_ns() == 0
+    due = b.take_due(1)
+    assert [[r.req_id for r in batch.requests] for batch in due] == [["a"], ["b", "c"], ["d"]]
+    assert b.take_due(2) == []
+
+
+def test_take_all_ignores_the_window() -> None:
+    b = Batcher(window_ns=10**9, max_blocks=100)
+    b.add(req("a", [1]), 0)
+    b.add(req("b", [2], ratio=2), 0)
+    assert b.take_due(1) == []
+    assert len(b.take_all()) == 2
+    assert len(b) == 0
+
+
+def test_bad_settings() -> None:
+    with pytest.raises(ValueError, match="window_ns"):
+        Batcher(window_ns=-1, max_blocks=1)
+    with pytest.raises(ValueError, match="max_blocks"):
+        Batcher(window_ns=0, max_blocks=0)

@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvd.config import Config, ConfigError, load_config
+
+
+def test_defaults() -> None:
+    config = load_config(environ={})
+    assert config == Config()
+    assert config.batch_window_us == 0 and config.device == "cpu"
+
+
+def test_precedence_file_env_flags(tmp_path: Path) -> None:
+    path = tmp_path / "kvd.toml"
+    path.write_text('batch_window_us = 10\nmax_batch_blocks = 64\ndevice = "cpu"\ngpu = "3"\n')
+    env = {"KVD_BATCH_WINDOW_US": "20", "KVD_MAX_BATCH_BLOCKS": "128", "KVD_UNRELATED": "x"}
+    config = load_config(path, environ=env, overrides={"batch_window_us": "30", "gpu": None})
+    assert (config.batch_window_us, config.max_batch_blocks, config.gpu) == (30, 128, "3")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            "batch_window_us = 'soon'",
+            r"kvd.toml: Expected `int`, got `str` - at `\$.batch_window_us`",
+        ),
+        ("batch_window_us = -1", r"Expected `int` >= 0 - at `\$.batch_window_us`"),
+        ("batch_windw_us = 1", "unknown field `batch_windw_us`"),
+        ("log_level = 'loud'", r"Invalid enum value 'loud' - at `\$.log_level`"),
+        ("batch_window_us = ", "kvd.toml: "),
+    ],
+)
+def test_file_errors_name_the_field(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "kvd.toml"
+    path.write_text(text + "\n")
+    with pytest.raises(ConfigError, match=message):
+        load_config(path, environ={})
+
+
+def test_env_and_flag_errors_name_the_source() -> None:
+    with pytest.raises(ConfigError, match=r"KVD_MAX_BATCH_BLOCKS='many'"):
+        load_config(environ={"KVD_MAX_BATCH_BLOCKS": "many"})
+    with pytest.raises(ConfigError, match=r"--max-message-bytes='12'.*>= 1024"):
+        load_config(environ={}, overrides={"max_message_bytes": "12"})
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "nope.toml", environ={})

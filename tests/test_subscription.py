@@ -1,0 +1,113 @@
+"""The ordering logic of subscriptions, without sockets (the daemon tests cover the I/O)."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from kvd.protocol import Ready, ReplayEnd, encode_seq
+from kvd.subscription import EventsLost, ReplayError, _Gap, _Ordering
+
+
+def ready(n: int) -> bytes:
+    return msgspec.msgpack.encode(Ready(req_id=f"r{n}", cache_id="c", physical_block_ids=[n]))
+
+
+def end(oldest: int, newest: int, code: str = "", epoch: int = 7) -> bytes:
+    reply = ReplayEnd(topic="c", oldest_seq=oldest, newest_seq=newest, epoch=epoch, code=code)
+    return msgspec.msgpack.encode(reply)
+
+
+def delivered(order: _Ordering) -> list[int]:
+    out = [d.seq for d in order.ready]
+    order.ready.clear()
+    return out
+
+
+def live(order: _Ordering, seq: int, topic: bytes = b"c") -> _Gap | None:
+    return order.live(topic, encode_seq(seq), ready(seq))
+
+
+def test_in_order_events_are_delivered() -> None:
+    order = _Ordering(["c"], None)
+    for seq in (5, 6, 7):
+        assert live(order, seq) is None
+    assert delivered(order) == [5, 6, 7]
+
+
+def test_a_repeated_event_without_a_replay_makes_it_check_for_a_restart() -> None:
+    order = _Ordering(["c"], None)
+    live(order, 5)
+    assert live(order, 5) == _Gap("c", 6)
+    assert delivered(order) == [5]
+
+
+def test_other_topics_with_a_shared_prefix_are_ignored() -> None:
+    order = _Ordering(["c"], None)
+    assert live(order, 1, b"c2") is None
+    assert delivered(order) == []
+
+
+def test_baseline_starts_after_the_newest_event() -> None:
+    order = _Ordering(["c"], None)
+    order.replayed(order.pending.popleft(), [], end(1, 41))
+    assert live(order, 40) == _Gap("c", 42)  # older than the baseline: checked once ...
+    assert live(order, 41) is None  # ... and not again until something is delivered
+    assert live(order, 42) is None
+    assert delivered(order) == [42]
+
+
+def test_a_gap_asks_for_a_replay_and_the_live_event_follows_it() -> None:
+    order = _Ordering(["c"], None)
+    live(order, 1)
+    gap = live(order, 4)
+    assert gap == _Gap("c", 2, (4, ready(4)))
+    order.replayed(gap, [(2, ready(2)), (3, ready(3)), (4, ready(4)), (5, ready(5))], end(1, 5))
+    assert delivered(order) == [1, 2, 3, 4, 5]
+    assert live(order, 5) == _Gap("c", 6)  # the live copy of a replayed event: one check
+    order.replayed(_Gap("c", 6), [], end(1, 5))
+    assert live(order, 6) is None
+    assert delivered(order) == [6]
+
+
+def test_idle_resync_finds_a_missed_last_event() -> None:
+    order = _Ordering(["c"], None)
+    live(order, 1)
+    (gap,) = order.resync()
+    assert gap == _Gap("c", 2)
+    order.replayed(gap, [(2, ready(2))], end(1, 2))
+    assert delivered(order) == [1, 2]
+
+
+def test_lost_events_are_reported_after_the_survivors_are_queued() -> None:
+    order = _Ordering(["c"], 1)
+    with pytest.raises(EventsLost) as lost:
+        order.replayed(order.pending.popleft(), [(4, ready(4)), (5, ready(5))], end(4, 5))
+    assert (lost.value.first_seq, lost.value.last_seq, lost.value.restarted) == (1, 3, False)
+    assert delivered(order) == [4, 5]
+
+
+def test_a_new_epoch_means_kvd_restarted() -> None:
+    order = _Ordering(["c"], None)
+    order.replayed(order.pending.popleft(), [], end(1, 10, epoch=1))
+    live(order, 11)
+    gap = live(order, 1)  # the new daemon's first event: older than anything replayed
+    assert gap == _Gap("c", 12)
+    with pytest.raises(EventsLost) as lost:
+        order.replayed(gap, [], end(1, 1, epoch=2))
+    assert lost.value.restarted and lost.value.first_seq == 12
+    again = order.pending.popleft()
+    assert again == _Gap("c", 1)
+    order.replayed(again, [(1, ready(1))], end(1, 1, epoch=2))
+    assert delivered(order) == [11, 1]
+
+
+def test_replay_refusal() -> None:
+    order = _Ordering(["c"], 1)
+    with pytest.raises(ReplayError, match="invalid_message"):
+        order.replayed(order.pending.popleft(), [], end(0, 0, "invalid_message"))
+
+
+def test_from_seq_needs_topics() -> None:
+    with pytest.raises(ValueError, match="explicit topics"):
+        _Ordering([], 1)
