@@ -315,6 +315,38 @@ def _add_bench(commands: Any) -> None:
         help="kvd's batch window for the run (default: kvd's default)",
     )
     pipeline.set_defaults(run=_bench_pipeline)
+    kernels = which.add_parser(
+        "kernels",
+        help="the post-process vs a plain copy and the vLLM-style chain",
+        description=(
+            "Times the post-process over layout pairs, ratios and dtypes against a plain copy of "
+            "the same bytes and against vLLM's index_select -> permute -> index_copy_ chain, "
+            "interleaved in the same run; prints GB/s and the medians of the per-repetition "
+            "ratios."
+        ),
+    )
+    kernels.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: %(default)s)")
+    kernels.add_argument("--json", action="store_true", help="print one JSON object")
+    kernels.add_argument(
+        "--backend",
+        choices=["auto", "kernel", "torch"],
+        default="auto",
+        help="kernel: the compiled/Triton kernel; torch: the plain-torch fallback",
+    )
+    kernels.add_argument("--layers", type=int, default=2, help="layers (K and V each; default 2)")
+    kernels.add_argument("--num-blocks", type=int, default=512, help="blocks per tensor")
+    kernels.add_argument("--blocks", type=int, default=256, help="listed blocks (random ids)")
+    kernels.add_argument("--block-size", type=int, default=64, help="tokens per decode block")
+    kernels.add_argument("--heads", type=int, default=8, help="KV heads")
+    kernels.add_argument("--head-dim", type=int, default=128, help="head dimension")
+    kernels.add_argument("--repeat", type=int, default=7, help="interleaved repetitions")
+    kernels.set_defaults(run=_bench_kernels)
+
+
+def _bench_kernels(args: argparse.Namespace) -> int:
+    from kvd.bench.kernels import run
+
+    return run(args)
 
 
 def _bench_pipeline(args: argparse.Namespace) -> int:

@@ -51,6 +51,13 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         str, _doc("Replay socket (ROUTER). Default ipc://<runtime_dir>/replay.sock.")
     ] = ""
     device: Annotated[str, _doc("Where the post-process runs: 'cpu' or 'cuda[:N]'.")] = "cpu"
+    stream_priority: Annotated[
+        int,
+        _doc(
+            "Priority of kvd's CUDA stream (lower is more urgent; torch.cuda.Stream."
+            "priority_range() gives the device's range). Orders work inside kvd only."
+        ),
+    ] = 0
     batch_window_us: Annotated[
         int,
         msgspec.Meta(

@@ -1,8 +1,10 @@
-"""Runs post-process jobs off the event loop, on one dedicated worker thread.
+"""Runs post-process jobs off the event loop, on dedicated threads.
 
 The loop submits a ``Job`` (batches resolved to the tensors they touch) and gets the result
-back through ``loop.call_soon_threadsafe``; it never waits on compute. The worker only touches
-the tensors a job names. A job's outcome is reported only after its work has completed.
+back through ``loop.call_soon_threadsafe``; it never waits on compute or on the GPU. The worker
+only touches the tensors a job names. A job's outcome is reported only after its work has
+completed: on the CPU when the kernel returns, on CUDA when the event recorded after its
+launches on the dedicated stream has completed.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
 
 from kvd.batcher import Batch
 from kvd.postprocess import BlockRows, postprocess_tensors
@@ -97,3 +101,67 @@ class Executor:
     def _finish(self, job: Job) -> None:
         self._outstanding -= 1
         self._on_done(job)
+
+
+class CudaExecutor(Executor):
+    """Launches on a dedicated CUDA stream; a second thread waits for each job's event.
+
+    Two jobs may be outstanding, so the next batch is launched while the GPU runs the last one.
+    """
+
+    capacity = 2
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        on_done: DoneCallback,
+        device: torch.device,
+        priority: int = 0,
+    ) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device, priority=priority)  # type: ignore[no-untyped-call]
+        self._waiting: queue.SimpleQueue[tuple[Job, torch.cuda.Event] | None] = queue.SimpleQueue()
+        self._waiter = threading.Thread(target=self._wait, name="kvd-cuda-wait", daemon=True)
+        self._waiter.start()
+        super().__init__(loop, on_done)
+
+    def close(self, timeout: float | None = None) -> bool:
+        stopped = super().close(timeout)
+        self._waiting.put(None)
+        self._waiter.join(timeout)
+        return stopped and not self._waiter.is_alive()
+
+    def _run(self) -> None:
+        torch.cuda.set_device(self.device)
+        while (job := self._queue.get()) is not None:
+            job.started_ns = time.monotonic_ns()
+            with torch.cuda.stream(self.stream):
+                for item in job.items:
+                    try:
+                        postprocess_tensors(
+                            item.views,
+                            item.block_ids,
+                            ratio=item.batch.block_size_ratio,
+                            remote_layout=item.batch.remote_layout,
+                        )
+                    except Exception as exc:
+                        log.exception(
+                            "launching the post-process of %d blocks failed", len(item.block_ids)
+                        )
+                        item.error = f"{type(exc).__name__}: {exc}"
+                # Blocking sync: the waiter thread sleeps instead of spinning on the event.
+                event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+                event.record(self.stream)
+            self._waiting.put((job, event))
+
+    def _wait(self) -> None:
+        while (entry := self._waiting.get()) is not None:
+            job, event = entry
+            try:
+                event.synchronize()
+            except RuntimeError as exc:  # an asynchronous CUDA error: the work is undefined
+                log.exception("the CUDA post-process failed")
+                for item in job.items:
+                    item.error = item.error or f"CUDA error: {exc}"
+            job.finished_ns = time.monotonic_ns()
+            self._loop.call_soon_threadsafe(self._finish, job)

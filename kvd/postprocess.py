@@ -7,8 +7,10 @@ same tokens in the local layout, local token ``t = s * nP + t'`` for sub-block `
 token ``t'``. It only moves whole ``head_dim`` rows, so it is dtype-agnostic: the work happens on
 raw integer views of the rows.
 
-Every transform is a fixed permutation of the rows of one block (``row_permutation``): new row
-``i`` is old row ``perm[i]``. Blocks that are not listed are never read or written.
+Every transform is a fixed permutation of the rows of one block (``row_plan``): new row ``i``
+is old row ``perm[i]``. Blocks that are not listed are never read or written. The rows move in
+a compiled kernel (``kvd.kernels``): C on the CPU, Triton on CUDA; plain torch ops remain as the
+fallback for a build without a C compiler.
 """
 
 from __future__ import annotations
@@ -16,10 +18,13 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from kvd.geometry import LAYOUTS, check_ratio, duplicate_ids, out_of_range_ids, preview
+from kvd.kernels import cpu as kernels_cpu
+from kvd.kernels.plan import RowPlan
 
 # Raw element types by width: a row of head_dim elements is moved as the widest integer type
 # that divides its byte length, which keeps copies dtype-agnostic and wide.
@@ -74,16 +79,23 @@ def postprocess_blocks(
     postprocess_tensors([view], block_ids, ratio=ratio, remote_layout=remote_layout)
 
 
+Backend = Literal["auto", "kernel", "torch"]
+"""``kernel``: the compiled CPU kernel or the Triton kernel on CUDA; ``torch``: plain torch ops
+(the fallback when no kernel is available); ``auto``: the kernel when there is one."""
+
+
 def postprocess_tensors(
     tensors: Sequence[BlockRows],
     block_ids: Sequence[int] | torch.Tensor,
     *,
     ratio: int,
     remote_layout: str,
+    backend: Backend = "auto",
 ) -> None:
     """Rewrite the listed blocks of every tensor of one cache (all layers, K and V).
 
     All tensors must share num_blocks. Validation happens for all of them before any write.
+    Tensors with the same geometry are rewritten by one kernel call (one launch on CUDA).
     """
     if remote_layout not in LAYOUTS:
         raise ValueError(f"remote_layout must be one of {LAYOUTS}, got {remote_layout!r}")
@@ -91,13 +103,13 @@ def postprocess_tensors(
     repeated = duplicate_ids(ids)
     if repeated:
         raise ValueError(f"block ids {preview(repeated)} listed twice")
-    plans = []
+    groups: dict[tuple[object, ...], tuple[RowPlan, list[torch.Tensor]]] = {}
     for view in tensors:
         check_ratio(view.block_size, ratio)
         bad = out_of_range_ids(ids, view.rows.shape[0])
         if bad:
             raise ValueError(f"block ids {preview(bad)} outside [0, {view.rows.shape[0]})")
-        perm = row_permutation(
+        plan = row_plan(
             kv_parts=view.kv_parts,
             block_size=view.block_size,
             num_heads=view.num_heads,
@@ -105,12 +117,32 @@ def postprocess_tensors(
             remote_layout=remote_layout,
             local_layout=view.layout,
         )
-        if perm is not None:
-            plans.append((view.rows, perm))
+        if plan is None:
+            continue
+        rows = view.rows
+        key = (id(plan), rows.shape, rows.stride(0), rows.dtype, rows.device)
+        groups.setdefault(key, (plan, []))[1].append(rows)
     if not ids:
         return
-    for rows, perm in plans:
-        _permute_rows_torch(rows, ids, perm)
+    for plan, rows_list in groups.values():
+        _apply(rows_list, ids, plan, backend)
+
+
+def _apply(rows_list: list[torch.Tensor], ids: list[int], plan: RowPlan, backend: Backend) -> None:
+    device = rows_list[0].device
+    if backend != "torch":
+        if device.type == "cpu" and kernels_cpu.available():
+            kernels_cpu.permute_blocks(rows_list, ids, plan)
+            return
+        if device.type == "cuda":
+            from kvd.kernels import gpu
+
+            gpu.permute_blocks(rows_list, ids, plan)
+            return
+        if backend == "kernel":
+            raise RuntimeError(f"no post-process kernel for {device} in this build")
+    for rows in rows_list:
+        _permute_rows_torch(rows, ids, plan.perm)
 
 
 def block_rows(
@@ -147,7 +179,7 @@ def block_rows(
 
 
 @functools.lru_cache(maxsize=256)
-def row_permutation(
+def row_plan(
     *,
     kv_parts: int,
     block_size: int,
@@ -155,7 +187,7 @@ def row_permutation(
     ratio: int,
     remote_layout: str,
     local_layout: str,
-) -> torch.Tensor | None:
+) -> RowPlan | None:
     """The row gather of one block (new row i = old row perm[i]), or None when nothing moves.
 
     Source rows are indexed (sub-block s, kv part, then (h, t') for HND or (t', h) for NHD);
@@ -176,7 +208,7 @@ def row_permutation(
     perm = dest.reshape(-1).contiguous()
     if torch.equal(perm, torch.arange(perm.numel())):
         return None
-    return perm
+    return RowPlan(perm)
 
 
 def _as_id_list(block_ids: Sequence[int] | torch.Tensor) -> list[int]:

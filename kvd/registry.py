@@ -10,11 +10,12 @@ import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from kvd.geometry import GeometryError, TensorGeometry, cache_geometry
-from kvd.postprocess import BlockRows, block_rows, row_permutation
+from kvd.postprocess import BlockRows, block_rows, postprocess_tensors, row_plan
 from kvd.protocol import Attach, CudaIpcRef, Reason, ShmRef, TensorSpec
 
 SHM_DIR = "/dev/shm"
@@ -65,7 +66,7 @@ class AttachedCache:
         known = self._needs_work.get(key)
         if known is None:
             known = self._needs_work[key] = any(
-                row_permutation(
+                row_plan(
                     kv_parts=v.kv_parts,
                     block_size=v.block_size,
                     num_heads=v.num_heads,
@@ -117,11 +118,14 @@ class Registry:
             geometries = cache_geometry(request.tensors)
         except GeometryError as exc:
             raise AttachError(Reason.INVALID_CACHE, str(exc)) from exc
+        mappings: dict[bytes, Any] = {}  # one CUDA IPC mapping per allocation
         tensors = [
-            AttachedTensor(spec, geometry, self._open_tensor(spec, geometry, f"tensors[{i}]"))
+            AttachedTensor(
+                spec, geometry, self._open_tensor(spec, geometry, f"tensors[{i}]", mappings)
+            )
             for i, (spec, geometry) in enumerate(zip(request.tensors, geometries, strict=True))
         ]
-        return AttachedCache(
+        cache = AttachedCache(
             cache_id=request.cache_id,
             tensors=tensors,
             num_blocks=geometries[0].num_blocks,
@@ -129,6 +133,9 @@ class Registry:
             device=self.device,
             views=_row_views(tensors),
         )
+        if self.device.type == "cuda":
+            warm_up(cache)
+        return cache
 
     def add(self, cache: AttachedCache) -> None:
         if cache.cache_id in self._caches:
@@ -138,7 +145,9 @@ class Registry:
     def remove(self, cache_id: str) -> AttachedCache:
         return self._caches.pop(cache_id)
 
-    def _open_tensor(self, spec: TensorSpec, geometry: TensorGeometry, where: str) -> torch.Tensor:
+    def _open_tensor(
+        self, spec: TensorSpec, geometry: TensorGeometry, where: str, mappings: dict[bytes, Any]
+    ) -> torch.Tensor:
         memory = spec.memory
         if isinstance(memory, ShmRef):
             if self.device.type != "cpu":
@@ -149,10 +158,7 @@ class Registry:
                 )
             raw = open_shm(memory, geometry.nbytes, where)
         elif isinstance(memory, CudaIpcRef):
-            raise AttachError(
-                Reason.MEMORY_UNAVAILABLE,
-                f"{where}.memory: cuda_ipc memory needs a daemon started with --device cuda",
-            )
+            raw = self._open_cuda_ipc(memory, geometry.nbytes, where, mappings)
         dtype = TORCH_DTYPES[spec.dtype]
         if memory.offset % dtype.itemsize:
             raise AttachError(
@@ -161,6 +167,54 @@ class Registry:
                 f"item size {dtype.itemsize}",
             )
         return raw.view(dtype).view(spec.shape)
+
+    def _open_cuda_ipc(
+        self, memory: CudaIpcRef, nbytes: int, where: str, mappings: dict[bytes, Any]
+    ) -> torch.Tensor:
+        if self.device.type != "cuda":
+            raise AttachError(
+                Reason.INVALID_CACHE,
+                f"{where}.memory: cuda_ipc memory needs a daemon started with --device cuda",
+            )
+        from kvd import cudaipc
+
+        problem = cudaipc.check_handle(memory, where)
+        if problem:
+            raise AttachError(Reason.INVALID_CACHE, problem)
+        mine = cudaipc.device_uuid(self.device)
+        if memory.device_uuid and not cudaipc.same_device(memory.device_uuid, mine):
+            raise AttachError(
+                Reason.INVALID_CACHE,
+                f"{where}.memory.device_uuid: the tensor is on {memory.device_uuid}, this kvd "
+                f"serves {mine} ({self.device})",
+            )
+        try:
+            mapping = mappings.get(memory.handle)
+            if mapping is None:
+                mapping = mappings[memory.handle] = cudaipc.IpcMapping(memory, self.device)
+            return mapping.tensor(memory.offset, nbytes)
+        except cudaipc.CudaIpcError as exc:
+            raise AttachError(Reason.MEMORY_UNAVAILABLE, f"{where}.memory: {exc}") from exc
+
+
+def warm_up(cache: AttachedCache) -> None:
+    """Compile the CUDA kernels for this cache's geometries now, not on its first request.
+
+    Runs the kernel on a one-block scratch copy of each geometry, never on the engine's memory.
+    """
+    seen = set()
+    for view in cache.views:
+        rows = view.rows
+        key = (rows.shape[1:], rows.dtype)
+        if key in seen:
+            continue
+        seen.add(key)
+        scratch = torch.zeros((1, *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
+        dummy = BlockRows(scratch, view.layout, view.block_size, view.num_heads, view.kv_parts)
+        for ratio in (1, 2):
+            if view.block_size % ratio == 0:
+                postprocess_tensors([dummy], [0], ratio=ratio, remote_layout="HND")
+    torch.cuda.synchronize(cache.device)
 
 
 def open_shm(memory: ShmRef, nbytes: int, where: str = "memory") -> torch.Tensor:

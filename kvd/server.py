@@ -22,6 +22,8 @@ import zmq
 from kvd import __version__
 from kvd.config import Config
 from kvd.control import Control
+from kvd.executor import CudaExecutor, Executor, Job
+from kvd.kernels import cpu as kernels_cpu
 from kvd.metrics import Metrics
 from kvd.pipeline import Pipeline
 from kvd.protocol import Reason
@@ -57,7 +59,16 @@ def parse_device(spec: str) -> torch.device:
     if device.type not in ("cpu", "cuda"):
         raise StartupError(f"device: {spec!r} is not supported; use 'cpu' or 'cuda[:N]'")
     if device.type == "cuda":
-        raise StartupError("device: CUDA support is not available in this kvd build yet")
+        if not torch.cuda.is_available():
+            raise StartupError(f"device: {spec!r} was asked for, but CUDA is not available here")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            raise StartupError(
+                f"device: {spec!r}: only {torch.cuda.device_count()} CUDA devices are visible"
+            )
+        device = torch.device("cuda", index)
+        torch.cuda.set_device(device)
+        torch.cuda.init()  # type: ignore[no-untyped-call]
     return device
 
 
@@ -99,6 +110,11 @@ class Server:
         config = self.config
         loop = asyncio.get_running_loop()
         device = parse_device(config.device)
+        if device.type == "cpu" and not kernels_cpu.available():
+            log.warning(
+                "the compiled CPU kernel is not built (no C compiler at install time?): the "
+                "post-process uses plain torch ops, several times slower"
+            )
         runtime_dir = (
             Path(config.runtime_dir) if config.runtime_dir else default_runtime_dir(config.gpu)
         )
@@ -135,6 +151,14 @@ class Server:
         registry = Registry(device)
         # A fresh epoch per start lets subscribers tell a restart (seqs begin at 1 again).
         publisher = Publisher(events, config.replay_buffer, epoch=secrets.randbits(63))
+        executor_factory = None
+        if device.type == "cuda":
+
+            def executor_factory(
+                loop: asyncio.AbstractEventLoop, done: Callable[[Job], None]
+            ) -> Executor:
+                return CudaExecutor(loop, done, device, priority=config.stream_priority)
+
         pipeline = Pipeline(
             loop,
             registry,
@@ -143,6 +167,7 @@ class Server:
             batch_window_us=config.batch_window_us,
             max_batch_blocks=config.max_batch_blocks,
             max_message_bytes=config.max_message_bytes,
+            executor_factory=executor_factory,
         )
         self._pipeline = pipeline
         self._control = Control(control, registry, pipeline, self.metrics, config)

@@ -19,7 +19,7 @@ import zmq
 
 from kvd.client import AsyncClient, Client, KvdError, ShmCache
 from kvd.daemon_process import DaemonProcess
-from kvd.protocol import Failed, Ready, ShmRef
+from kvd.protocol import CudaIpcRef, Failed, Ready, ShmRef
 from tests.daemon_helpers import by_req, collect, wait_for
 from tests.reference import expected_block, random_bytes, same_bytes
 
@@ -348,6 +348,11 @@ def test_attach_errors(client: Client, small_cache: tuple[str, ShmCache]) -> Non
     sneaky = msgspec.structs.replace(cache.specs[0], memory=ShmRef(name="../etc/passwd"))
     with pytest.raises(KvdError, match="not a shared-memory name"):
         client.attach(unique("x"), [sneaky])
+    on_gpu = msgspec.structs.replace(cache.specs[0], memory=CudaIpcRef(handle=bytes(64)))
+    with pytest.raises(
+        KvdError, match=r"invalid_cache: .*needs a daemon started with --device cuda"
+    ):
+        client.attach(unique("x"), [on_gpu])
     with pytest.raises(KvdError, match="unknown_cache"):
         client.detach(unique("never"))
 

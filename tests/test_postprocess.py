@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from kvd.postprocess import block_rows, postprocess_blocks, postprocess_tensors, row_permutation
+from kvd.kernels import cpu as kernels_cpu
+from kvd.postprocess import block_rows, postprocess_blocks, postprocess_tensors, row_plan
 from tests.reference import expected_block, random_bytes, same_bytes
 
 DTYPES = [
@@ -48,8 +49,12 @@ def _check(
         assert same_bytes(cache[b], want), f"block {b} ({'listed' if b in expect else 'unlisted'})"
 
 
+BACKENDS = ["kernel", "torch"] if kernels_cpu.available() else ["torch"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("seed", range(40))
-def test_single_tensor_matches_reference(seed: int) -> None:
+def test_single_tensor_matches_reference(seed: int, backend: str) -> None:
     rng = random.Random(seed)
     ratio = rng.choice([1, 2, 3, 4, 8, 16])
     block_size = ratio * rng.choice([1, 2, 3, 4])
@@ -74,13 +79,15 @@ def test_single_tensor_matches_reference(seed: int) -> None:
         for b in ids
     }
     block_ids = torch.tensor(ids) if seed % 2 else ids
-    postprocess_blocks(cache, block_ids, ratio=ratio, remote_layout=remote, local_layout=local)
+    view = block_rows(cache, layout=local, block_size=block_size, num_heads=heads)
+    postprocess_tensors([view], block_ids, ratio=ratio, remote_layout=remote, backend=backend)
     _check(cache, ids, expect, before)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("seed", range(24))
 @pytest.mark.parametrize("arrangement", ["split", "blocks_first"])
-def test_cache_tensors_match_reference(seed: int, arrangement: str) -> None:
+def test_cache_tensors_match_reference(seed: int, arrangement: str, backend: str) -> None:
     """Split (2, nb, ...) and blocks-first (nb, 2, ...) tensors of several layers at once."""
     rng = random.Random(1000 + seed)
     ratio = rng.choice([1, 2, 4, 8, 16])
@@ -107,7 +114,7 @@ def test_cache_tensors_match_reference(seed: int, arrangement: str) -> None:
                 block_rows(t, layout=local, block_size=block_size, num_heads=heads, kv_parts=2)
             )
     ids = _pick_ids(rng, num_blocks)
-    postprocess_tensors(views, ids, ratio=ratio, remote_layout=remote)
+    postprocess_tensors(views, ids, ratio=ratio, remote_layout=remote, backend=backend)
     for t, before in zip(layers, befores, strict=True):
         parts = (
             [(t[kv], before[kv], 1) for kv in range(2)]
@@ -156,7 +163,7 @@ def test_strided_blocks_are_supported() -> None:
 def test_nothing_to_do_pairs() -> None:
     for ratio in (1, 2, 4):
         assert (
-            row_permutation(
+            row_plan(
                 kv_parts=1,
                 block_size=8,
                 num_heads=4,
@@ -167,19 +174,19 @@ def test_nothing_to_do_pairs() -> None:
             is None
         )
     assert (
-        row_permutation(
+        row_plan(
             kv_parts=1, block_size=8, num_heads=4, ratio=1, remote_layout="HND", local_layout="HND"
         )
         is None
     )
     assert (
-        row_permutation(
+        row_plan(
             kv_parts=1, block_size=8, num_heads=4, ratio=2, remote_layout="HND", local_layout="HND"
         )
         is not None
     )
     assert (
-        row_permutation(
+        row_plan(
             kv_parts=1, block_size=8, num_heads=1, ratio=4, remote_layout="HND", local_layout="NHD"
         )
         is None

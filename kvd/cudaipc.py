@@ -1,0 +1,179 @@
+"""CUDA IPC: the engine exports its KV tensors, kvd maps them, without torch's private IPC path.
+
+The wire carries the raw 64-byte ``cudaIpcMemHandle_t`` of the allocation that holds a tensor,
+the tensor's byte offset in it, and the GPU's UUID, so any language can produce it and a
+different ``CUDA_VISIBLE_DEVICES`` in the two processes cannot point kvd at the wrong GPU.
+
+PyTorch's caching allocator hands out such handles through ``UntypedStorage._share_cuda_()``
+(version byte, kind byte, then the handle). Memory from expandable segments (kind ``e``), from
+``cudaMallocAsync`` or from vLLM's sleep-mode allocator is virtual memory that
+``cudaIpcGetMemHandle`` cannot export: ``export_tensor`` refuses it with an explanation, and kvd
+answers an Attach carrying anything but a 64-byte handle with ``invalid_cache``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import Any
+
+import torch
+
+from kvd.protocol import CudaIpcRef
+
+HANDLE_BYTES = 64
+_LAZY_ENABLE_PEER_ACCESS = 1
+_KIND_LEGACY = ord("c")
+_KIND_EXPANDABLE = ord("e")
+
+
+class CudaIpcError(Exception):
+    """A tensor that cannot be exported, or a handle that cannot be opened."""
+
+
+def device_uuid(device: torch.device) -> str:
+    """``GPU-<uuid>``, as nvidia-smi prints it."""
+    return f"GPU-{torch.cuda.get_device_properties(device).uuid}"
+
+
+def same_device(uuid_a: str, uuid_b: str) -> bool:
+    def norm(u: str) -> str:
+        return u.lower().removeprefix("gpu-")
+
+    return norm(uuid_a) == norm(uuid_b)
+
+
+def export_tensor(tensor: torch.Tensor) -> CudaIpcRef:
+    """The memory reference of a CUDA tensor for an Attach (engine side).
+
+    The tensor must stay allocated for as long as kvd has it attached.
+    """
+    if tensor.device.type != "cuda":
+        raise CudaIpcError(f"export_tensor needs a CUDA tensor, got {tensor.device}")
+    shared = tensor.untyped_storage()._share_cuda_()  # type: ignore[no-untyped-call]
+    handle, storage_offset = shared[1], shared[3]
+    if handle is None:
+        raise CudaIpcError("an empty tensor has no memory to export")
+    handle = bytes(handle)
+    if len(handle) == HANDLE_BYTES + 2 and handle[1] == _KIND_LEGACY:
+        handle = handle[2:]
+    elif len(handle) >= 2 and handle[1] == _KIND_EXPANDABLE:
+        raise CudaIpcError(
+            "this tensor lives in an expandable segment (PYTORCH_CUDA_ALLOC_CONF / "
+            "PYTORCH_ALLOC_CONF has expandable_segments:True), which cudaIpcGetMemHandle cannot "
+            "export; allocate the KV cache with expandable_segments:False"
+        )
+    elif len(handle) != HANDLE_BYTES:
+        raise CudaIpcError(f"unexpected CUDA IPC handle format ({len(handle)} bytes)")
+    offset = storage_offset + tensor.storage_offset() * tensor.element_size()
+    return CudaIpcRef(handle=handle, offset=offset, device_uuid=device_uuid(tensor.device))
+
+
+def check_handle(ref: CudaIpcRef, where: str) -> str | None:
+    """None if ``ref.handle`` can be a cudaIpcMemHandle_t, else why not."""
+    handle = ref.handle
+    if len(handle) == HANDLE_BYTES:
+        return None
+    if len(handle) >= 2 and handle[1] == _KIND_EXPANDABLE:
+        return (
+            f"{where}.memory.handle: a PyTorch expandable-segment handle; such allocations cannot "
+            "be exported with CUDA IPC: allocate the KV cache with expandable_segments:False"
+        )
+    return f"{where}.memory.handle: must be a 64-byte cudaIpcMemHandle_t, got {len(handle)} bytes"
+
+
+class _IpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_byte * HANDLE_BYTES)]
+
+
+@functools.cache
+def _runtime() -> Any:
+    """The CUDA runtime library torch itself loaded (found in this process's mappings)."""
+    torch.cuda.init()  # type: ignore[no-untyped-call]
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
+    if not paths:
+        raise CudaIpcError("cannot find the CUDA runtime (libcudart) torch loaded")
+    lib = ctypes.CDLL(sorted(paths)[0])
+    lib.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), _IpcHandle, ctypes.c_uint]
+    lib.cudaIpcOpenMemHandle.restype = ctypes.c_int
+    lib.cudaIpcCloseMemHandle.argtypes = [ctypes.c_void_p]
+    lib.cudaIpcCloseMemHandle.restype = ctypes.c_int
+    lib.cudaGetErrorString.argtypes = [ctypes.c_int]
+    lib.cudaGetErrorString.restype = ctypes.c_char_p
+    lib.cudaGetLastError.restype = ctypes.c_int
+    return lib
+
+
+@functools.cache
+def _driver() -> Any:
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "/libcuda.so" in line}
+    lib = ctypes.CDLL(sorted(paths)[0] if paths else "libcuda.so.1")
+    lib.cuMemGetAddressRange_v2.argtypes = [
+        ctypes.POINTER(ctypes.c_uint64),
+        ctypes.POINTER(ctypes.c_size_t),
+        ctypes.c_uint64,
+    ]
+    lib.cuMemGetAddressRange_v2.restype = ctypes.c_int
+    return lib
+
+
+class IpcMapping:
+    """One opened allocation; closed when the last tensor viewing it is gone."""
+
+    def __init__(self, ref: CudaIpcRef, device: torch.device) -> None:
+        lib = _runtime()
+        handle = _IpcHandle.from_buffer_copy(ref.handle)
+        ptr = ctypes.c_void_p()
+        with torch.cuda.device(device):
+            err = lib.cudaIpcOpenMemHandle(ctypes.byref(ptr), handle, _LAZY_ENABLE_PEER_ACCESS)
+        if err:
+            lib.cudaGetLastError()  # clear it, or torch reports it later in an unrelated call
+            raise CudaIpcError(
+                f"cudaIpcOpenMemHandle failed: {lib.cudaGetErrorString(err).decode()} ({err}); "
+                "the exporting process must be alive and on the same GPU"
+            )
+        self.ptr = int(ptr.value or 0)
+        self.device = device
+        self._lib = lib
+        base, size = ctypes.c_uint64(), ctypes.c_size_t()
+        with torch.cuda.device(device):
+            err = _driver().cuMemGetAddressRange_v2(
+                ctypes.byref(base), ctypes.byref(size), self.ptr
+            )
+        # The mapping starts at the allocation's base; what is past its end is not the engine's.
+        self.nbytes = int(size.value) if err == 0 else 0
+
+    def tensor(self, offset: int, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor over ``nbytes`` from ``offset``; it keeps this mapping open."""
+        if self.nbytes and offset + nbytes > self.nbytes:
+            raise CudaIpcError(
+                f"the allocation holds {self.nbytes} bytes, the tensor needs bytes "
+                f"{offset}..{offset + nbytes}"
+            )
+        view = _ArrayInterface(self, self.ptr + offset, nbytes)
+        out = torch.as_tensor(view, device=self.device)
+        if out.data_ptr() != self.ptr + offset:
+            raise CudaIpcError("torch copied the mapped memory instead of viewing it")
+        return out
+
+    def __del__(self) -> None:
+        if getattr(self, "ptr", 0):
+            torch.cuda.synchronize(self.device)  # nothing of ours may still use it
+            self._lib.cudaIpcCloseMemHandle(ctypes.c_void_p(self.ptr))
+            self.ptr = 0
+
+
+class _ArrayInterface:
+    """What ``torch.as_tensor`` needs to view device memory; holds the mapping alive."""
+
+    def __init__(self, mapping: IpcMapping, ptr: int, nbytes: int) -> None:
+        self.mapping = mapping
+        self.__cuda_array_interface__ = {
+            "version": 3,
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "strides": None,
+        }

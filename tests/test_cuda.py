@@ -1,0 +1,188 @@
+"""The CUDA path on a real GPU: the Triton kernel's exactness, CUDA IPC attach, the stream.
+
+Skipped without CUDA. `.ci/device-check` runs these on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvd.client import Client, KvdError
+from kvd.cudaipc import CudaIpcError, export_tensor
+from kvd.daemon_process import DaemonProcess
+from kvd.postprocess import block_rows, postprocess_tensors, row_plan
+from kvd.protocol import TensorSpec
+from tests.daemon_helpers import by_req, collect
+from tests.reference import expected_block, random_bytes, same_bytes
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.uint8, torch.float32]
+
+
+@pytest.mark.parametrize("two_pass", [False, True])
+@pytest.mark.parametrize("seed", range(30))
+def test_triton_kernel_matches_reference(seed: int, two_pass: bool, monkeypatch) -> None:
+    from kvd.kernels import gpu
+
+    if two_pass:
+        monkeypatch.setattr(gpu, "MAX_TILE_BYTES", 0)
+    rng = random.Random(seed)
+    ratio = rng.choice([1, 2, 4, 8, 16])
+    block_size = ratio * rng.choice([1, 2, 4])
+    heads, head_dim = rng.randint(1, 8), rng.choice([5, 16, 64, 128, 576])
+    dtype = rng.choice(DTYPES)
+    remote, local = rng.choice(["NHD", "HND"]), rng.choice(["NHD", "HND"])
+    kv_parts = rng.choice([1, 2])
+    num_blocks = rng.randint(2, 40)
+    block = [block_size, heads, head_dim] if local == "NHD" else [heads, block_size, head_dim]
+    shape = [num_blocks, 2, *block] if kv_parts == 2 else [num_blocks, *block]
+    host = [random_bytes(shape, dtype, seed * 5 + i) for i in range(rng.randint(1, 4))]
+    tensors = [t.cuda() for t in host]
+    views = [
+        block_rows(t, layout=local, block_size=block_size, num_heads=heads, kv_parts=kv_parts)
+        for t in tensors
+    ]
+    ids = rng.sample(range(num_blocks), rng.randint(1, num_blocks))
+    postprocess_tensors(views, ids, ratio=ratio, remote_layout=remote, backend="kernel")
+    torch.cuda.synchronize()
+    plan = row_plan(
+        kv_parts=kv_parts,
+        block_size=block_size,
+        num_heads=heads,
+        ratio=ratio,
+        remote_layout=remote,
+        local_layout=local,
+    )
+    for on_gpu, was in zip(tensors, host, strict=True):
+        now = on_gpu.cpu()
+        for b in range(num_blocks):
+            want = was[b]
+            if b in ids and plan is not None:
+                want = expected_block(
+                    was[b],
+                    kv_parts=kv_parts,
+                    block_size=block_size,
+                    heads=heads,
+                    ratio=ratio,
+                    remote_layout=remote,
+                    local_layout=local,
+                )
+            assert same_bytes(now[b], want), f"block {b}"
+
+
+@pytest.fixture(scope="module")
+def gpu_daemon() -> Iterator[DaemonProcess]:
+    with DaemonProcess("--device", "cuda:0", "--stream-priority", "-1") as d:
+        yield d
+
+
+def cuda_specs(tensors: list[torch.Tensor], layout: str, block_size: int) -> list[TensorSpec]:
+    return [
+        TensorSpec(
+            name=f"layer.{i}",
+            shape=list(t.shape),
+            dtype=str(t.dtype).removeprefix("torch."),
+            layout=layout,
+            kv_arrangement="split",
+            block_size=block_size,
+            memory=export_tensor(t),
+        )
+        for i, t in enumerate(tensors)
+    ]
+
+
+def test_cuda_ipc_attach_and_post_process(gpu_daemon: DaemonProcess) -> None:
+    block_size, heads, head_dim = 64, 8, 128
+    host = [random_bytes([2, 64, block_size, heads, head_dim], torch.bfloat16, i) for i in range(4)]
+    # One allocation for all layers, as vLLM does: every tensor is a view at an offset.
+    pool = torch.empty(sum(t.numel() for t in host), dtype=torch.bfloat16, device="cuda")
+    tensors, offset = [], 0
+    for t in host:
+        view = pool[offset : offset + t.numel()].view(t.shape)
+        view.copy_(t.cuda())
+        tensors.append(view)
+        offset += t.numel()
+    torch.cuda.synchronize()
+    with Client(gpu_daemon.runtime_dir) as c:
+        attached = c.attach("gpu0", cuda_specs(tensors, "NHD", block_size))
+        assert attached.num_blocks == 64
+        sub = c.subscribe(["gpu0"])
+        plan = {"r1": ([3, 9, 1], 4), "r2": ([10, 11], 1), "r3": ([20], 16)}
+        for req_id, (ids, ratio) in plan.items():
+            c.read_done(req_id, "gpu0", ids, remote_layout="HND", block_size_ratio=ratio)
+        events = by_req(collect(sub, len(plan)))
+        assert {k: type(v).__name__ for k, v in events.items()} == dict.fromkeys(plan, "Ready")
+        for on_gpu, was in zip(tensors, host, strict=True):
+            now = on_gpu.cpu()
+            for kv in range(2):
+                for ids, ratio in plan.values():
+                    for b in ids:
+                        want = expected_block(
+                            was[kv, b],
+                            kv_parts=1,
+                            block_size=block_size,
+                            heads=heads,
+                            ratio=ratio,
+                            remote_layout="HND",
+                            local_layout="NHD",
+                        )
+                        assert same_bytes(now[kv, b], want)
+                assert same_bytes(now[kv, 0], was[kv, 0]), "an unlisted block changed"
+        c.detach("gpu0")
+        sub.close()
+
+
+def test_wrong_gpu_and_bad_handles_are_refused(gpu_daemon: DaemonProcess) -> None:
+    t = torch.zeros(2, 4, 16, 2, 8, dtype=torch.float16, device="cuda")
+    (spec,) = cuda_specs([t], "NHD", 16)
+    import msgspec
+
+    elsewhere = msgspec.structs.replace(
+        spec, memory=msgspec.structs.replace(spec.memory, device_uuid="GPU-not-this-one")
+    )
+    expandable = msgspec.structs.replace(
+        spec, memory=msgspec.structs.replace(spec.memory, handle=b"\x03e" + bytes(60))
+    )
+    with Client(gpu_daemon.runtime_dir) as c:
+        with pytest.raises(KvdError, match=r"invalid_cache: .*device_uuid"):
+            c.attach("wrong-gpu", [elsewhere])
+        with pytest.raises(KvdError, match=r"invalid_cache: .*expandable"):
+            c.attach("expandable", [expandable])
+        with pytest.raises(KvdError, match="memory_unavailable"):
+            bogus = msgspec.structs.replace(
+                spec, memory=msgspec.structs.replace(spec.memory, handle=bytes(64))
+            )
+            c.attach("bogus", [bogus])
+        assert c.ping().protocol_version == 1  # still serving
+
+
+def test_expandable_segments_cannot_be_exported() -> None:
+    code = (
+        "import torch\n"
+        "from kvd.cudaipc import export_tensor, CudaIpcError\n"
+        "t = torch.zeros(1 << 20, device='cuda')\n"
+        "try:\n    export_tensor(t)\nexcept CudaIpcError as e:\n    print('refused:', e)\n"
+        "else:\n    print('exported')\n"
+    )
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    assert out.startswith("refused:") and "expandable_segments:False" in out
+    assert CudaIpcError  # the error type is public for engines to catch
