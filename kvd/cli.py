@@ -309,6 +309,15 @@ def _add_bench(commands: Any) -> None:
         "--blocks", type=int, default=16, help="block ids per notification (default: %(default)s)"
     )
     pipeline.add_argument(
+        "--transform",
+        choices=["none", "layout"],
+        default="none",
+        help=(
+            "none: NHD notifications into an NHD cache, the pipeline's own cost (default); "
+            "layout: real HND->NHD rewrites on kvd's side (the relays still do none)"
+        ),
+    )
+    pipeline.add_argument(
         "--batch-window-us",
         type=int,
         default=None,

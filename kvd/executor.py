@@ -20,17 +20,20 @@ from dataclasses import dataclass
 import torch
 
 from kvd.batcher import Batch
-from kvd.postprocess import BlockRows, postprocess_tensors
+from kvd.postprocess import Group
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, eq=False)
 class WorkItem:
-    """One batch, resolved: the row views of its cache and the blocks to rewrite."""
+    """One batch, resolved: the kernel calls of its cache and the blocks to rewrite.
+
+    The ids were checked at ingest (in range, unique, owned by this batch alone).
+    """
 
     batch: Batch
-    views: list[BlockRows]
+    groups: list[Group]
     block_ids: list[int]
     nbytes: int
     """Bytes the rewrite moves: listed blocks times the bytes of one block in every view."""
@@ -85,12 +88,8 @@ class Executor:
             job.started_ns = time.monotonic_ns()
             for item in job.items:
                 try:
-                    postprocess_tensors(
-                        item.views,
-                        item.block_ids,
-                        ratio=item.batch.block_size_ratio,
-                        remote_layout=item.batch.remote_layout,
-                    )
+                    for group in item.groups:
+                        group.apply(item.block_ids)
                 # A failed transform must fail its requests, not the worker: report and go on.
                 except Exception as exc:
                     log.exception("post-process of %d blocks failed", len(item.block_ids))
@@ -138,12 +137,8 @@ class CudaExecutor(Executor):
             with torch.cuda.stream(self.stream):
                 for item in job.items:
                     try:
-                        postprocess_tensors(
-                            item.views,
-                            item.block_ids,
-                            ratio=item.batch.block_size_ratio,
-                            remote_layout=item.batch.remote_layout,
-                        )
+                        for group in item.groups:
+                            group.apply(item.block_ids)
                     except Exception as exc:
                         log.exception(
                             "launching the post-process of %d blocks failed", len(item.block_ids)

@@ -234,7 +234,8 @@ class Pipeline:
                 self.ledger.advance(request, State.LAUNCHED)
                 self.metrics.queue_wait.observe((now - request.received_ns) / 1e9)
             block_ids = batch.block_ids()
-            items.append(WorkItem(batch, cache.views, block_ids, len(block_ids) * cache.work_bytes))
+            groups = cache.groups(batch.block_size_ratio, batch.remote_layout)
+            items.append(WorkItem(batch, groups, block_ids, len(block_ids) * cache.work_bytes))
             self.metrics.batch_blocks.observe(batch.num_blocks)
             self.metrics.batches.value += 1
         self.executor.submit(Job(items))

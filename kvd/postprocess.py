@@ -84,6 +84,67 @@ Backend = Literal["auto", "kernel", "torch"]
 (the fallback when no kernel is available); ``auto``: the kernel when there is one."""
 
 
+@dataclass(eq=False)
+class Group:
+    """Tensors rewritten by one kernel call: same row plan, same geometry, same device.
+
+    The kernel's launch arguments (checked geometry, base address table) are prepared on first
+    use and kept, so a cache's every request reuses them.
+    """
+
+    plan: RowPlan
+    rows: list[torch.Tensor]
+    _launch: object = None
+
+    def apply(self, ids: list[int], backend: Backend = "auto") -> None:
+        """Rewrite blocks ``ids`` (already checked to be in range and unique)."""
+        device = self.rows[0].device
+        if backend != "torch":
+            if device.type == "cpu" and kernels_cpu.available():
+                if self._launch is None:
+                    self._launch = kernels_cpu.prepare(self.rows, self.plan)
+                kernels_cpu.run(self._launch, ids)  # type: ignore[arg-type]
+                return
+            if device.type == "cuda":
+                from kvd.kernels import gpu
+
+                if self._launch is None:
+                    self._launch = gpu.prepare(self.rows, self.plan)
+                gpu.run(self._launch, ids)  # type: ignore[arg-type]
+                return
+            if backend == "kernel":
+                raise RuntimeError(f"no post-process kernel for {device} in this build")
+        for rows in self.rows:
+            _permute_rows_torch(rows, ids, self.plan.perm)
+
+
+def plan_groups(tensors: Sequence[BlockRows], *, ratio: int, remote_layout: str) -> list[Group]:
+    """The kernel calls that rewrite every tensor under (ratio, remote_layout); [] = no work.
+
+    Raises ``ValueError`` for a ratio that does not divide a tensor's block size or an
+    unknown layout.
+    """
+    if remote_layout not in LAYOUTS:
+        raise ValueError(f"remote_layout must be one of {LAYOUTS}, got {remote_layout!r}")
+    groups: dict[tuple[object, ...], Group] = {}
+    for view in tensors:
+        check_ratio(view.block_size, ratio)
+        plan = row_plan(
+            kv_parts=view.kv_parts,
+            block_size=view.block_size,
+            num_heads=view.num_heads,
+            ratio=ratio,
+            remote_layout=remote_layout,
+            local_layout=view.layout,
+        )
+        if plan is None:
+            continue
+        rows = view.rows
+        key = (id(plan), rows.shape, rows.stride(0), rows.dtype, rows.device)
+        groups.setdefault(key, Group(plan, [])).rows.append(rows)
+    return list(groups.values())
+
+
 def postprocess_tensors(
     tensors: Sequence[BlockRows],
     block_ids: Sequence[int] | torch.Tensor,
@@ -97,52 +158,19 @@ def postprocess_tensors(
     All tensors must share num_blocks. Validation happens for all of them before any write.
     Tensors with the same geometry are rewritten by one kernel call (one launch on CUDA).
     """
-    if remote_layout not in LAYOUTS:
-        raise ValueError(f"remote_layout must be one of {LAYOUTS}, got {remote_layout!r}")
     ids = _as_id_list(block_ids)
     repeated = duplicate_ids(ids)
     if repeated:
         raise ValueError(f"block ids {preview(repeated)} listed twice")
-    groups: dict[tuple[object, ...], tuple[RowPlan, list[torch.Tensor]]] = {}
     for view in tensors:
-        check_ratio(view.block_size, ratio)
         bad = out_of_range_ids(ids, view.rows.shape[0])
         if bad:
             raise ValueError(f"block ids {preview(bad)} outside [0, {view.rows.shape[0]})")
-        plan = row_plan(
-            kv_parts=view.kv_parts,
-            block_size=view.block_size,
-            num_heads=view.num_heads,
-            ratio=ratio,
-            remote_layout=remote_layout,
-            local_layout=view.layout,
-        )
-        if plan is None:
-            continue
-        rows = view.rows
-        key = (id(plan), rows.shape, rows.stride(0), rows.dtype, rows.device)
-        groups.setdefault(key, (plan, []))[1].append(rows)
+    groups = plan_groups(tensors, ratio=ratio, remote_layout=remote_layout)
     if not ids:
         return
-    for plan, rows_list in groups.values():
-        _apply(rows_list, ids, plan, backend)
-
-
-def _apply(rows_list: list[torch.Tensor], ids: list[int], plan: RowPlan, backend: Backend) -> None:
-    device = rows_list[0].device
-    if backend != "torch":
-        if device.type == "cpu" and kernels_cpu.available():
-            kernels_cpu.permute_blocks(rows_list, ids, plan)
-            return
-        if device.type == "cuda":
-            from kvd.kernels import gpu
-
-            gpu.permute_blocks(rows_list, ids, plan)
-            return
-        if backend == "kernel":
-            raise RuntimeError(f"no post-process kernel for {device} in this build")
-    for rows in rows_list:
-        _permute_rows_torch(rows, ids, plan.perm)
+    for group in groups:
+        group.apply(ids, backend)
 
 
 def block_rows(

@@ -6,6 +6,8 @@ loop (``Registry.open`` runs in a worker thread); lookups are plain dict reads.
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import os
 import re
 from collections.abc import Sequence
@@ -15,8 +17,10 @@ from typing import Any
 import torch
 
 from kvd.geometry import GeometryError, TensorGeometry, cache_geometry
-from kvd.postprocess import BlockRows, block_rows, postprocess_tensors, row_plan
+from kvd.postprocess import BlockRows, Group, block_rows, plan_groups
 from kvd.protocol import Attach, CudaIpcRef, Reason, ShmRef, TensorSpec
+
+log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 _SHM_NAME = re.compile(r"^[A-Za-z0-9._-]{1,255}$")
@@ -58,26 +62,23 @@ class AttachedCache:
     device: torch.device
     views: list[BlockRows] = field(default_factory=list)
     """What the post-process works on: raw row views, two per split tensor, none for MLA."""
-    _needs_work: dict[tuple[int, str], bool] = field(default_factory=dict)
+    _groups: dict[tuple[int, str], list[Group]] = field(default_factory=dict)
 
-    def needs_work(self, ratio: int, remote_layout: str) -> bool:
-        """Whether any view changes under (ratio, remote_layout); memoised per cache."""
+    def groups(self, ratio: int, remote_layout: str) -> list[Group]:
+        """The kernel calls a request under (ratio, remote_layout) needs; [] = no work.
+
+        Memoised per cache, so requests reuse the prepared launches.
+        """
         key = (ratio, remote_layout)
-        known = self._needs_work.get(key)
+        known = self._groups.get(key)
         if known is None:
-            known = self._needs_work[key] = any(
-                row_plan(
-                    kv_parts=v.kv_parts,
-                    block_size=v.block_size,
-                    num_heads=v.num_heads,
-                    ratio=ratio,
-                    remote_layout=remote_layout,
-                    local_layout=v.layout,
-                )
-                is not None
-                for v in self.views
+            known = self._groups[key] = plan_groups(
+                self.views, ratio=ratio, remote_layout=remote_layout
             )
         return known
+
+    def needs_work(self, ratio: int, remote_layout: str) -> bool:
+        return bool(self.groups(ratio, remote_layout))
 
     @property
     def nbytes(self) -> int:
@@ -213,7 +214,8 @@ def warm_up(cache: AttachedCache) -> None:
         dummy = BlockRows(scratch, view.layout, view.block_size, view.num_heads, view.kv_parts)
         for ratio in (1, 2):
             if view.block_size % ratio == 0:
-                postprocess_tensors([dummy], [0], ratio=ratio, remote_layout="HND")
+                for group in plan_groups([dummy], ratio=ratio, remote_layout="HND"):
+                    group.apply([0])
     torch.cuda.synchronize(cache.device)
 
 
@@ -245,7 +247,25 @@ def open_shm(memory: ShmRef, nbytes: int, where: str = "memory") -> torch.Tensor
         raise AttachError(
             Reason.MEMORY_UNAVAILABLE, f"{where}.memory: cannot map {path}: {exc}"
         ) from exc
+    populate(mapped)
     return mapped[memory.offset : end]
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
+
+
+def populate(tensor: torch.Tensor) -> None:
+    """Fill in kvd's page tables for a shared mapping now, without touching its bytes.
+
+    Otherwise the first post-process of every page pays a page fault in kvd's process (a
+    mapping's page tables are per process, however warm the engine's are).
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = tensor.data_ptr() // page * page
+    length = tensor.data_ptr() + tensor.numel() * tensor.element_size() - start
+    if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_POPULATE_WRITE):
+        log.debug("madvise(MADV_POPULATE_WRITE) failed: %s", os.strerror(ctypes.get_errno()))
 
 
 def _row_views(tensors: Sequence[AttachedTensor]) -> list[BlockRows]:

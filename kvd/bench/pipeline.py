@@ -21,10 +21,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import zmq
 
 from kvd.client import read_done_message
 from kvd.daemon_process import DaemonProcess
+from kvd.protocol import Layout
 from kvd.shm import ShmCache
 
 CACHE_ID = "bench"
@@ -38,6 +40,15 @@ class Figures:
     """Notifications per second, first sent to last event received."""
     p50_us: float
     p99_us: float
+    failed: int
+    """Failed events among them (a healthy run has none)."""
+
+
+class _Kind(msgspec.Struct):
+    type: str
+
+
+_KIND = msgspec.msgpack.Decoder(_Kind)
 
 
 class _Target:
@@ -72,16 +83,29 @@ class _Target:
         self.sub.close()
 
 
-def _messages(prefix: str, blocks: int) -> Callable[[str], bytes]:
-    ids = list(range(blocks))
+# With --transform layout every notification of a run names its own blocks, so requests in
+# flight at the same time never share one: 16 tokens x 4 heads x 64 head_dim bf16 (8 KiB).
+LAYOUT_HEADS, LAYOUT_HEAD_DIM = 4, 64
+MAX_LAYOUT_CACHE_BYTES = 4 << 30
+
+
+def _windows(args: argparse.Namespace) -> int:
+    # Every notification of the run, warm-ups (up to 100 per target) included.
+    return int(args.rounds * (args.messages + args.latency_samples) + 200)
+
+
+def _messages(prefix: str, blocks: int, transform: str, windows: int) -> Callable[[str], bytes]:
     counter = iter(range(1 << 62))
+    layout: Layout = "HND" if transform == "layout" else "NHD"
 
     def make(tag: str) -> bytes:
+        n = next(counter)
+        first = (n % windows) * blocks if transform == "layout" else 0
         return read_done_message(
-            f"{prefix}-{tag}-{next(counter)}",
+            f"{prefix}-{tag}-{n}",
             CACHE_ID,
-            ids,
-            remote_layout="NHD",
+            list(range(first, first + blocks)),
+            remote_layout=layout,
             block_size_ratio=1,
         )
 
@@ -99,8 +123,9 @@ def measure(target: _Target, make: Callable[[str], bytes], messages: int, sample
     sender = threading.Thread(target=send)
     start = time.perf_counter()
     sender.start()
+    failed = 0
     for _ in range(messages):
-        target.sub.recv_multipart()
+        failed += _KIND.decode(target.sub.recv_multipart()[2]).type == "failed"
     elapsed = time.perf_counter() - start
     sender.join()
 
@@ -110,13 +135,14 @@ def measure(target: _Target, make: Callable[[str], bytes], messages: int, sample
         frame = make("lat")
         t0 = time.perf_counter_ns()
         target.push.send(frame)
-        target.sub.recv_multipart()
+        failed += _KIND.decode(target.sub.recv_multipart()[2]).type == "failed"
         latencies.append((time.perf_counter_ns() - t0) / 1000)
     latencies.sort()
     return Figures(
         throughput=messages / elapsed,
         p50_us=latencies[len(latencies) // 2],
         p99_us=latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))],
+        failed=failed,
     )
 
 
@@ -125,6 +151,33 @@ FLOORS = ("relay-api", "relay-raw")
 
 
 def run(args: argparse.Namespace) -> int:
+    windows = _windows(args)
+    if args.transform == "layout":
+        num_blocks = windows * args.blocks
+        if num_blocks * 16 * LAYOUT_HEADS * LAYOUT_HEAD_DIM * 2 * 2 > MAX_LAYOUT_CACHE_BYTES:
+            print(
+                "kvd bench pipeline: --transform layout needs one block per notification per "
+                "run: use fewer --messages/--rounds or --blocks",
+                file=sys.stderr,
+            )
+            return 2
+        cache = ShmCache.create(
+            num_layers=1,
+            num_blocks=num_blocks,
+            block_size=16,
+            num_heads=LAYOUT_HEADS,
+            head_dim=LAYOUT_HEAD_DIM,
+            layout="NHD",
+        )
+    else:
+        cache = ShmCache.create(
+            num_layers=1,
+            num_blocks=max(64, args.blocks),
+            block_size=16,
+            num_heads=1,
+            head_dim=8,
+            layout="NHD",
+        )
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     work = Path(tempfile.mkdtemp(prefix="kvd-bench-"))
     kvd_args = ["--log-level", "warning"]
@@ -132,14 +185,6 @@ def run(args: argparse.Namespace) -> int:
         kvd_args += ["--batch-window-us", str(args.batch_window_us)]
     daemon = DaemonProcess(*kvd_args, runtime_dir=work / "kvd")
     relays: dict[str, subprocess.Popen[bytes]] = {}
-    cache = ShmCache.create(
-        num_layers=1,
-        num_blocks=max(64, args.blocks),
-        block_size=16,
-        num_heads=1,
-        head_dim=8,
-        layout="NHD",
-    )
     targets: dict[str, _Target] = {}
     rounds: dict[str, list[Figures]] = {name: [] for name in ("kvd", *FLOORS)}
     try:
@@ -159,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
             window = client.status().batch_window_us
         endpoints = daemon.endpoints()
         targets["kvd"] = _Target(ctx, endpoints.ingest, endpoints.events)
-        makers = {name: _messages(name, args.blocks) for name in targets}
+        makers = {name: _messages(name, args.blocks, args.transform, windows) for name in targets}
         for name, target in targets.items():
             target.warm_up(makers[name])
         for r in range(args.rounds):
@@ -217,6 +262,7 @@ def _report(
         "messages": args.messages,
         "latency_samples": args.latency_samples,
         "blocks_per_notification": args.blocks,
+        "transform": args.transform,
         "batch_window_us": window,
         "figures": {
             name: {k: _median(rs, k) for k in asdict(rs[0])} for name, rs in rounds.items()
@@ -237,8 +283,8 @@ def _table(report: dict[str, Any]) -> str:
     lines = [
         f"kvd bench pipeline: {report['rounds']} rounds, {report['messages']} notifications "
         f"per throughput run, {report['latency_samples']} latency samples, "
-        f"{report['blocks_per_notification']} blocks each, batch window "
-        f"{report['batch_window_us']} us",
+        f"{report['blocks_per_notification']} blocks each, transform {report['transform']}, "
+        f"batch window {report['batch_window_us']} us",
         "",
         f"{'':20}{'relay-api':>11}{'relay-raw':>11}{'kvd':>11}"
         f"{'kvd/api':>10}{'kvd/raw':>10}  target (vs relay-api)",
@@ -257,5 +303,8 @@ def _table(report: dict[str, Any]) -> str:
             f"{label:20}{cells}{ratios['relay-api'][key]:>9.2f}x{ratios['relay-raw'][key]:>9.2f}x"
             f"  {target}"
         )
+    failed = {n: f["failed"] for n, f in figures.items() if f["failed"]}
+    if failed:
+        lines += ["", f"WARNING: Failed events (median per round): {failed}"]
     lines += ["", "meets targets: " + ("yes" if report["meets_targets"] else "no")]
     return "\n".join(lines)

@@ -13,6 +13,7 @@ run on the CPU under ``TRITON_INTERPRET=1``, which is how the tests check them w
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -87,11 +88,23 @@ def _gather_rows(
         tl.store(start + rows, tl.load(slot + rows, mask=mask), mask=mask)
 
 
-def permute_blocks(rows: Sequence[torch.Tensor], block_ids: Sequence[int], plan: RowPlan) -> None:
-    """Apply ``plan`` to the listed blocks of every (num_blocks, rows, row_elems) raw view.
+@dataclass(frozen=True, eq=False)
+class Launch:
+    """Checked launch arguments of one group of tensors, reused for every request."""
 
-    All views share their geometry and device. Asynchronous on the current stream.
-    """
+    rows: list[torch.Tensor]  # kept so the address table stays valid
+    table: torch.Tensor
+    perm: torch.Tensor
+    num_blocks: int
+    rows_per_block: int
+    row_words: int
+    block_stride: int
+    width: int
+    word: object
+
+
+def prepare(rows: Sequence[torch.Tensor], plan: RowPlan) -> Launch:
+    """Check that the views can share one launch: same device, shape and block stride."""
     first = rows[0]
     device = first.device
     num_blocks, rows_per_block, row_elems = first.shape
@@ -100,65 +113,82 @@ def permute_blocks(rows: Sequence[torch.Tensor], block_ids: Sequence[int], plan:
     for view in rows:
         if view.device != device or view.shape != first.shape:
             raise ValueError("views of one launch must share their device and shape")
-        if view.stride(0) * view.element_size() != stride_bytes or view.stride()[1:] != (
-            row_elems,
-            1,
-        ):
+        contiguous_rows = view.stride()[1:] == (row_elems, 1)
+        if view.stride(0) * view.element_size() != stride_bytes or not contiguous_rows:
             raise ValueError("views of one launch must share a block stride, with contiguous rows")
     if plan.rows != rows_per_block:
         raise ValueError(f"permutation has {plan.rows} rows, blocks have {rows_per_block}")
-    if any(b < 0 or b >= num_blocks for b in block_ids):
-        raise ValueError(f"block ids must be in [0, {num_blocks})")
-    if not block_ids:
-        return
     width, word = next(w for w in _WORDS if row_bytes % w[0] == 0 and stride_bytes % w[0] == 0)
     if any(v.data_ptr() % width for v in rows):
         width, word = _WORDS[-1]
-    row_words, block_stride = row_bytes // width, stride_bytes // width
-    table = _on(device, [v.data_ptr() for v in rows])
-    perm = plan.perm_on(device)
+    return Launch(
+        rows=list(rows),
+        table=_on(device, [v.data_ptr() for v in rows]),
+        perm=plan.perm_on(device),
+        num_blocks=num_blocks,
+        rows_per_block=rows_per_block,
+        row_words=row_bytes // width,
+        block_stride=stride_bytes // width,
+        width=width,
+        word=word,
+    )
+
+
+def run(launch: Launch, block_ids: Sequence[int]) -> None:
+    """Rewrite ``block_ids`` of every tensor of ``launch``; asynchronous on the current stream."""
+    if not block_ids:
+        return
+    if min(block_ids) < 0 or max(block_ids) >= launch.num_blocks:
+        raise ValueError(f"block ids must be in [0, {launch.num_blocks})")
+    device = launch.table.device
+    n_tensors = len(launch.rows)
+    rows_per_block, row_words, width = launch.rows_per_block, launch.row_words, launch.width
     block_r, block_c = triton.next_power_of_2(rows_per_block), triton.next_power_of_2(row_words)
     if block_r * block_c * width <= MAX_TILE_BYTES:
-        ids = _on(device, block_ids)
-        _permute_in_place[(len(block_ids), len(rows))](
-            table,
-            ids,
-            perm,
-            block_stride,
+        _permute_in_place[(len(block_ids), n_tensors)](
+            launch.table,
+            _on(device, block_ids),
+            launch.perm,
+            launch.block_stride,
             ROWS=rows_per_block,
             ROW_WORDS=row_words,
             BLOCK_R=block_r,
             BLOCK_C=block_c,
-            WORD=word,
+            WORD=launch.word,
             num_warps=16 if block_r * block_c * width > 32 * 1024 else 8,
         )
         return
-    block_bytes = rows_per_block * row_bytes
-    per_chunk = max(1, MAX_SCRATCH_BYTES // (block_bytes * len(rows)))
+    block_bytes = rows_per_block * row_words * width
+    per_chunk = max(1, MAX_SCRATCH_BYTES // (block_bytes * n_tensors))
     tile_r = max(1, min(block_r, (32 * 1024) // (block_c * width)))
     for start in range(0, len(block_ids), per_chunk):
         chunk = list(block_ids[start : start + per_chunk])
         ids = _on(device, chunk)
         scratch = torch.empty(
-            len(rows) * len(chunk) * block_bytes, dtype=torch.uint8, device=device
+            n_tensors * len(chunk) * block_bytes, dtype=torch.uint8, device=device
         )
-        grid = (len(chunk), len(rows), triton.cdiv(rows_per_block, tile_r))
+        grid = (len(chunk), n_tensors, triton.cdiv(rows_per_block, tile_r))
         for to_scratch in (True, False):
             _gather_rows[grid](
-                table,
+                launch.table,
                 ids,
-                perm,
+                launch.perm,
                 scratch,
-                block_stride,
+                launch.block_stride,
                 len(chunk),
                 ROWS=rows_per_block,
                 ROW_WORDS=row_words,
                 BLOCK_R=tile_r,
                 BLOCK_C=block_c,
-                WORD=word,
+                WORD=launch.word,
                 TO_SCRATCH=to_scratch,
                 num_warps=4,
             )
+
+
+def permute_blocks(rows: Sequence[torch.Tensor], block_ids: Sequence[int], plan: RowPlan) -> None:
+    """Apply ``plan`` to the listed blocks of every view: ``prepare`` then ``run``."""
+    run(prepare(rows, plan), block_ids)
 
 
 def _on(device: torch.device, values: Sequence[int]) -> torch.Tensor:
