@@ -11,6 +11,9 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+import msgspec
+import zmq
+
 from kvd.client import Client, Delivery, Subscription
 from kvd.protocol import Event
 
@@ -97,3 +100,68 @@ class NotifyReceiver:
 
     def close(self) -> None:
         self.sock.close()
+
+
+class EventTap:
+    """A bare SUB socket on kvd's events topic ``cache_id``: no replay and no resync, so it
+    sees exactly what kvd published, and keeps working after kvd exits.
+
+    It is known to be connected when created: Ready events of probe notifications (no work:
+    NHD into an NHD cache) are sent until one arrives. Probe events are left out of results.
+    """
+
+    PROBE = "tap-probe-"
+
+    def __init__(self, client: Client, cache_id: str) -> None:
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._sock = self._ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock.setsockopt(zmq.SUBSCRIBE, cache_id.encode())
+        self._sock.connect(client.endpoints.events)
+        self._decoder = msgspec.msgpack.Decoder(Event)
+        probes = 0
+        while not self._sock.poll(100):
+            client.read_done(
+                f"{self.PROBE}{probes}", cache_id, [0], remote_layout="NHD", block_size_ratio=1
+            )
+            probes += 1
+
+    def _next(self, timeout: float) -> Event | None:
+        deadline = time.monotonic() + timeout
+        while (remaining := deadline - time.monotonic()) > 0:
+            if not self._sock.poll(int(remaining * 1000) + 1):
+                return None
+            _, _, payload = self._sock.recv_multipart()
+            event = self._decoder.decode(payload)
+            if not event.req_id.startswith(self.PROBE):
+                return event
+        return None
+
+    def events(self, count: int, timeout: float = 30.0) -> list[Event]:
+        """The next ``count`` events, polling until a deadline."""
+        deadline = time.monotonic() + timeout
+        out: list[Event] = []
+        while len(out) < count:
+            event = self._next(deadline - time.monotonic())
+            if event is None:
+                raise AssertionError(f"got {len(out)} of {count} events within {timeout}s")
+            out.append(event)
+        return out
+
+    def already_delivered(self) -> list[Event]:
+        """Events still queued on the socket (after kvd exited, nothing more can come)."""
+        out = []
+        while (event := self._next(0.05)) is not None:
+            out.append(event)
+        return out
+
+    def close(self) -> None:
+        self._sock.close()
+        self._ctx.term()
+
+    def __enter__(self) -> EventTap:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

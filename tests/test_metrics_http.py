@@ -1,16 +1,24 @@
-"""The /metrics endpoint: address parsing and the HTTP listener."""
+"""The /metrics endpoint: address parsing, the HTTP listener, a real daemon scraped over HTTP."""
 
 from __future__ import annotations
 
 import asyncio
 import re
+import socket
+import subprocess
+import sys
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
+from kvd.client import ShmCache
 from kvd.config import ConfigError, load_config
+from kvd.daemon_process import DaemonProcess
 from kvd.metrics_http import CONTENT_TYPE, MetricsServer, parse_metrics_addr
+from kvd.protocol import Ready
+from tests.daemon_helpers import EventTap, wait_for
 
 
 @pytest.mark.parametrize(
@@ -82,3 +90,92 @@ async def test_listener_serves_only_get_metrics() -> None:
         assert (await http(url))[0] == 200
     finally:
         await server.close()
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Samples by name with labels, e.g. ``kvd_requests_total{outcome="ready"}``."""
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        assert reply.headers["Content-Type"] == CONTENT_TYPE
+        text = reply.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def test_daemon_metrics_move_as_requests_flow() -> None:
+    with (
+        DaemonProcess("--metrics-addr", "127.0.0.1:0", "--batch-window-us", "1000000") as d,
+        d.client() as client,
+    ):
+        url = d.endpoints().metrics
+        assert url.startswith("http://127.0.0.1:")
+        start = scrape(url)
+        assert start["kvd_attached_caches"] == 0
+        assert start["kvd_in_flight_requests"] == 0
+        assert start["kvd_batch_window_seconds"] == 1.0
+        assert start['kvd_requests_total{outcome="ready"}'] == 0
+        assert 'kvd_queue_wait_seconds_bucket{le="1e-05"}' in start, "microsecond buckets"
+
+        cache = ShmCache.create(num_layers=2, num_blocks=16, block_size=8, num_heads=2, head_dim=4)
+        try:
+            client.attach("m", cache.specs)
+            assert scrape(url)["kvd_attached_caches"] == 1
+            with EventTap(client, "m") as tap:
+                base = scrape(url)
+                for i in range(4):
+                    client.read_done(
+                        f"m{i}", "m", [2 * i, 2 * i + 1], remote_layout="HND", block_size_ratio=2
+                    )
+                # The 1 s window holds them in flight until then.
+                wait_for(lambda: scrape(url)["kvd_in_flight_requests"] == 4)
+                client.read_done("m-bad", "m", [99], remote_layout="HND", block_size_ratio=2)
+                events = tap.events(5)
+            assert sum(isinstance(e, Ready) for e in events) == 4
+
+            wait_for(lambda: scrape(url)["kvd_in_flight_requests"] == 0)
+            end = scrape(url)
+        finally:
+            cache.close()
+
+    def moved(name: str) -> float:
+        return end[name] - base.get(name, 0)
+
+    assert moved('kvd_requests_total{outcome="ready"}') == 4
+    # A rejected notification is answered (an event) and counted by its reason, not as a request.
+    assert moved('kvd_requests_total{outcome="failed"}') == 0
+    assert moved('kvd_rejections_total{reason="block_out_of_range"}') == 1
+    assert moved("kvd_events_published_total") == 5
+    assert moved("kvd_blocks_processed_total") == 8
+    block_bytes = 2 * 2 * 8 * 2 * 4 * 2  # layers, K and V, tokens, heads, head_dim, bf16
+    assert moved("kvd_bytes_processed_total") == 8 * block_bytes
+    assert moved("kvd_batches_total") == 1
+    assert moved("kvd_queue_wait_seconds_count") == 4
+    assert moved("kvd_read_done_to_ready_seconds_count") == 4
+    assert moved("kvd_transform_seconds_count") == 1
+    assert moved("kvd_batch_blocks_count") == 1 and moved("kvd_batch_blocks_sum") == 8
+    # The window held them about a second: queue wait lands in the top buckets, not below 1 ms.
+    assert moved('kvd_queue_wait_seconds_bucket{le="0.001"}') == 0
+    assert moved('kvd_queue_wait_seconds_bucket{le="+Inf"}') == 4
+
+
+def test_metrics_addr_in_use_is_a_startup_error(short_tmp: Path) -> None:
+    taken = socket.create_server(("127.0.0.1", 0))
+    port = taken.getsockname()[1]
+    try:
+        result = subprocess.run(
+            [
+                *(sys.executable, "-m", "kvd", "serve", "--runtime-dir", str(short_tmp)),
+                *("--metrics-addr", f"127.0.0.1:{port}"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    finally:
+        taken.close()
+    assert result.returncode == 2, result.stderr
+    assert f"cannot start: metrics_addr: cannot listen on '127.0.0.1:{port}'" in result.stderr

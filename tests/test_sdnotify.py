@@ -1,14 +1,18 @@
-"""sd_notify against real AF_UNIX datagram sockets."""
+"""sd_notify against real AF_UNIX datagram sockets, in-process and from a real ``kvd serve``."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import signal
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from kvd.daemon_process import DaemonProcess
 from kvd.sdnotify import Every, Notifier, notify_address
 from tests.daemon_helpers import NotifyReceiver
 
@@ -93,3 +97,32 @@ async def test_every_repeats_on_the_loop() -> None:
     every = Every(loop, 0.001, tick)
     await asyncio.wait_for(three.wait(), 10)
     every.cancel()
+
+
+def test_daemon_notifies_ready_watchdog_and_stopping(receiver: NotifyReceiver) -> None:
+    daemon = DaemonProcess(
+        "--metrics-addr",
+        "127.0.0.1:0",
+        env={"NOTIFY_SOCKET": receiver.env_value, "WATCHDOG_USEC": "200000"},
+    )
+    proc = daemon.spawn()
+    try:
+        ready, pid = receiver.wait_for("READY")
+        assert pid == proc.pid, "NotifyAccess=main: the main process must send"
+        assert ready["STATUS"].startswith("serving 0 caches")
+        # READY=1 comes after every socket is bound: the files and the listener exist now.
+        endpoints = json.loads((daemon.runtime_dir / "endpoints.json").read_text())
+        for name in ("control", "ingest", "events", "replay"):
+            assert Path(endpoints[name].removeprefix("ipc://")).exists(), name
+        host, port = endpoints["metrics"].removeprefix("http://").split("/")[0].split(":")
+        socket.create_connection((host, int(port)), timeout=5).close()
+        with daemon.client() as client:
+            assert client.ping().pid == proc.pid
+        for _ in range(2):
+            receiver.wait_for("WATCHDOG")
+        daemon.signal(signal.SIGTERM)
+        stopping, _ = receiver.wait_for("STOPPING")
+        assert stopping["STATUS"] == "draining 0 requests in flight"
+        assert daemon.wait() == 0
+    finally:
+        daemon.kill()
