@@ -241,7 +241,7 @@ class Server:
         caches = len(self._registry) if self._registry is not None else 0
         in_flight = len(self._pipeline.ledger) if self._pipeline is not None else 0
         return (
-            f"serving {caches} caches, {in_flight} requests in flight, "
+            f"serving {_counted(caches, 'cache')}, {_counted(in_flight, 'request')} in flight, "
             f"{self.metrics.ready.value} ready, {self.metrics.failed.value} failed"
         )
 
@@ -265,7 +265,7 @@ class Server:
         else:
             in_flight = len(self._pipeline.ledger) if self._pipeline is not None else 0
             log.info("%s received: draining %d requests in flight", name, in_flight)
-            self.notifier.stopping(f"draining {in_flight} requests in flight")
+            self.notifier.stopping(f"draining {_counted(in_flight, 'request')} in flight")
             if self._pipeline is not None:
                 # From this point every new notification is refused, however soon it arrives.
                 self._pipeline.stop_accepting()
@@ -347,6 +347,10 @@ class Server:
         sock.setsockopt(zmq.LINGER, 0)
         self._sockets.append(sock)
         return sock
+
+
+def _counted(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:

@@ -89,14 +89,16 @@ class NotifyReceiver:
         self.messages.append((fields, pid))
         return fields, pid
 
-    def wait_for(self, key: str, timeout: float = 30.0) -> tuple[dict[str, str], int]:
-        """Receive until a message that sets ``key`` arrives; returns that message."""
+    def wait_for(
+        self, key: str, timeout: float = 30.0, containing: str = ""
+    ) -> tuple[dict[str, str], int]:
+        """Receive until a message sets ``key`` (to a value containing ``containing``)."""
         deadline = time.monotonic() + timeout
         while (remaining := deadline - time.monotonic()) > 0:
             got = self.receive(remaining)
-            if got is not None and key in got[0]:
+            if got is not None and key in got[0] and containing in got[0][key]:
                 return got
-        raise AssertionError(f"no {key}= within {timeout}s; got {self.messages}")
+        raise AssertionError(f"no {key}=...{containing} within {timeout}s; got {self.messages}")
 
     def close(self) -> None:
         self.sock.close()

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from kvd.client import ShmCache
 from kvd.daemon_process import DaemonProcess
 from kvd.sdnotify import Every, Notifier, notify_address
 from tests.daemon_helpers import NotifyReceiver
@@ -116,10 +117,15 @@ def test_daemon_notifies_ready_watchdog_and_stopping(receiver: NotifyReceiver) -
             assert Path(endpoints[name].removeprefix("ipc://")).exists(), name
         host, port = endpoints["metrics"].removeprefix("http://").split("/")[0].split(":")
         socket.create_connection((host, int(port)), timeout=5).close()
-        with daemon.client() as client:
-            assert client.ping().pid == proc.pid
         for _ in range(2):
             receiver.wait_for("WATCHDOG")
+        cache = ShmCache.create(num_layers=1, num_blocks=4, block_size=4, num_heads=1, head_dim=4)
+        with cache, daemon.client() as client:
+            assert client.ping().pid == proc.pid
+            client.attach("c", cache.specs)
+            # STATUS follows the daemon's state (refreshed every few seconds).
+            receiver.wait_for("STATUS", containing="serving 1 cache, 0 requests in flight")
+            client.detach("c")
         daemon.signal(signal.SIGTERM)
         stopping, _ = receiver.wait_for("STOPPING")
         assert stopping["STATUS"] == "draining 0 requests in flight"
