@@ -89,6 +89,8 @@ def _default_config() -> Any:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import logging
+
     from kvd.config import load_config
     from kvd.logs import setup_logging
     from kvd.server import Server
@@ -100,7 +102,15 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"kvd serve: {exc}", file=sys.stderr)
         return 2
     setup_logging(config.log_level, config.log_format)
-    return Server(config).run()
+    server = Server(config)
+    code = server.run()
+    if server.work_abandoned:
+        # A transform is still running on the executor thread: a normal interpreter exit would
+        # tear down torch's thread pools under it (std::terminate). Every request was answered
+        # and the sockets are closed, so leave without the teardown.
+        logging.shutdown()
+        os._exit(code)
+    return code
 
 
 # -- client commands ----------------------------------------------------------------------------

@@ -7,11 +7,13 @@ descriptions below are also the ``--help`` of ``kvd serve``.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
+
+from kvd.metrics_http import parse_metrics_addr
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 LogFormat = Literal["auto", "text", "json"]
@@ -85,11 +87,43 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             description="Largest ingest or control message accepted; larger ones are rejected.",
         ),
     ] = 1 << 20
+    metrics_addr: Annotated[
+        str,
+        _doc(
+            "Serve Prometheus metrics over HTTP at HOST:PORT (GET /metrics). A bare PORT or "
+            ":PORT listens on 127.0.0.1; IPv6 as [ADDR]:PORT; port 0 picks a free port (see "
+            "endpoints.json). Empty: off."
+        ),
+    ] = ""
+    drain_timeout_s: Annotated[
+        float,
+        msgspec.Meta(
+            gt=0,
+            description=(
+                "On SIGTERM, longest time (seconds) to finish the requests already accepted; "
+                "those still unfinished then get Failed(shutting_down)."
+            ),
+        ),
+    ] = 10.0
     log_level: Annotated[LogLevel, _doc("Log threshold.")] = "info"
     log_format: Annotated[
         LogFormat,
         _doc("'text' lines, 'json' lines, or 'auto' (text; no timestamps under journald)."),
     ] = "auto"
+
+    def __post_init__(self) -> None:
+        for name, check in _CHECKS.items():
+            check(getattr(self, name))
+
+
+def _check_metrics_addr(value: str) -> None:
+    if value:
+        parse_metrics_addr(value)  # a ValueError that names the field
+
+
+# Checks beyond the type, for fields whose values have a syntax of their own. They raise
+# ValueError; msgspec reports that as a ValidationError when it builds a Config.
+_CHECKS: dict[str, Callable[[Any], None]] = {"metrics_addr": _check_metrics_addr}
 
 
 class ConfigError(ValueError):
@@ -150,9 +184,12 @@ def _read_env(environ: Mapping[str, str]) -> dict[str, Any]:
 
 def _convert(name: str, value: Any, source: str) -> Any:
     try:
-        return msgspec.convert(value, FIELDS[name], strict=False)
-    except msgspec.ValidationError as exc:
+        converted = msgspec.convert(value, FIELDS[name], strict=False)
+        if name in _CHECKS:
+            _CHECKS[name](converted)
+    except (msgspec.ValidationError, ValueError) as exc:
         raise ConfigError(f"{source}={value!r}: {exc}") from exc
+    return converted
 
 
 def _meta_of(name: str) -> msgspec.Meta | None:

@@ -34,13 +34,19 @@ class DaemonProcess:
         self.log_path = Path(log_path) if log_path else self.runtime_dir / "kvd.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, timeout: float = 30.0) -> DaemonProcess:
+    def spawn(self) -> subprocess.Popen[bytes]:
+        """Start ``kvd serve`` without waiting for it to answer."""
         cmd = [sys.executable, "-m", "kvd", "serve", "--runtime-dir", str(self.runtime_dir)]
         self.runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [*cmd, *self.args], stdout=log, stderr=subprocess.STDOUT, env=self.env
             )
+        return self.proc
+
+    def start(self, timeout: float = 30.0) -> DaemonProcess:
+        """Start ``kvd serve`` and wait until it answers a Ping."""
+        self.proc = self.spawn()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -64,17 +70,26 @@ class DaemonProcess:
     def client(self, timeout: float = 10.0) -> Client:
         return Client(self.runtime_dir, timeout=timeout)
 
-    def stop(self, timeout: float = 20.0) -> int:
-        """SIGTERM (graceful drain) and wait; returns the exit code."""
+    def signal(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def wait(self, timeout: float = 20.0) -> int:
+        """Wait for the exit; returns the exit code (kills the daemon if it does not exit)."""
         if self.proc is None:
             return 0
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.kill()
-            raise DaemonError(f"kvd serve did not stop within {timeout}s") from None
+            raise DaemonError(
+                f"kvd serve did not exit within {timeout}s:\n{self.log_tail()}"
+            ) from None
+
+    def stop(self, timeout: float = 20.0) -> int:
+        """SIGTERM (graceful drain) and wait; returns the exit code."""
+        self.signal(signal.SIGTERM)
+        return self.wait(timeout)
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -95,7 +95,11 @@ class Executor:
                     log.exception("post-process of %d blocks failed", len(item.block_ids))
                     item.error = f"{type(exc).__name__}: {exc}"
             job.finished_ns = time.monotonic_ns()
-            self._loop.call_soon_threadsafe(self._finish, job)
+            try:
+                self._loop.call_soon_threadsafe(self._finish, job)
+            except RuntimeError:
+                # The loop is closed: a forced exit already answered this job's requests.
+                return
 
     def _finish(self, job: Job) -> None:
         self._outstanding -= 1

@@ -37,8 +37,10 @@ def under_journald(stream: TextIO = sys.stderr) -> bool:
 
 class _JournalFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        record.syslog_priority = _PRIORITY.get(record.levelno, 6)
-        return super().format(record)
+        priority = _PRIORITY.get(record.levelno, 6)
+        record.syslog_priority = priority
+        # journald makes an entry of every line: each line of a traceback needs the prefix too.
+        return super().format(record).replace("\n", f"\n<{priority}>")
 
 
 class JsonFormatter(logging.Formatter):

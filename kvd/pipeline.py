@@ -285,10 +285,14 @@ class Pipeline:
 
     # -- lifecycle ------------------------------------------------------------------------------
 
-    async def drain(self, timeout: float) -> bool:
-        """Stop accepting, finish everything accepted, publish it; True if done in time."""
+    def stop_accepting(self) -> None:
+        """Answer new notifications with Failed(shutting_down) and launch every batch now."""
         self.accepting = False
         self.kick()
+
+    async def drain(self, timeout: float) -> bool:
+        """Stop accepting, finish everything accepted, publish it; True if done in time."""
+        self.stop_accepting()
         if not self.ledger:
             return True
         self._drained = self.loop.create_future()

@@ -1,8 +1,10 @@
 """The daemon's lifecycle: startup -> main loop -> shutdown.
 
-Startup binds every socket and only then reports ready. SIGTERM or SIGINT starts a graceful
-drain: new notifications are answered with Failed(shutting_down), accepted ones are finished and
-published, then sockets close before the context. A second signal forces the exit.
+Startup binds every socket and opens the device, and only then reports ready (to systemd too,
+with READY=1). SIGTERM or SIGINT starts a graceful drain, bounded by ``drain_timeout_s``: new
+notifications are answered with Failed(shutting_down), accepted ones are finished and published,
+then sockets close before the context. A second signal forces the exit, answering what is still
+unfinished with Failed(shutting_down).
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ from kvd.control import Control
 from kvd.executor import CudaExecutor, Executor, Job
 from kvd.kernels import cpu as kernels_cpu
 from kvd.metrics import Metrics
+from kvd.metrics_http import MetricsServer, parse_metrics_addr
 from kvd.pipeline import Pipeline
 from kvd.protocol import Reason
 from kvd.publisher import Publisher
 from kvd.registry import Registry
+from kvd.sdnotify import Every, Notifier
 from kvd.sockets import (
     EndpointError,
     Endpoints,
@@ -43,7 +47,8 @@ from kvd.sockets import (
 
 log = logging.getLogger(__name__)
 
-DRAIN_TIMEOUT_S = 10.0
+# How often STATUS= is refreshed for `systemctl status` (only sent when it changed).
+STATUS_INTERVAL_S = 5.0
 _HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -73,12 +78,15 @@ def parse_device(spec: str) -> torch.device:
 
 
 class Server:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, notifier: Notifier | None = None) -> None:
         self.config = config
         self.should_exit = False
         self.force_exit = False
+        self.work_abandoned = False
+        """True when kvd stopped with a transform still running on the executor thread."""
         self.endpoints: Endpoints | None = None
         self.metrics = Metrics()
+        self.notifier = notifier if notifier is not None else Notifier.from_env()
         self._exit = asyncio.Event()
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._sockets: list[zmq.Socket[bytes]] = []
@@ -86,7 +94,12 @@ class Server:
         self._lock: RuntimeLock | None = None
         self._runtime_dir: Path | None = None
         self._pipeline: Pipeline | None = None
+        self._registry: Registry | None = None
         self._control: Control | None = None
+        self._ingest_reader: SocketReader | None = None
+        self._metrics_server: MetricsServer | None = None
+        self._timers: list[Every] = []
+        self._last_status = ""
         self.on_ready: Callable[[Server], None] | None = None
 
     def run(self) -> int:
@@ -98,6 +111,9 @@ class Server:
             await self.startup()
         except (StartupError, EndpointError) as exc:
             log.error("cannot start: %s", exc)
+            self.notifier.status(f"cannot start: {exc}")
+            if self._pipeline is not None:
+                self._pipeline.close(timeout=1.0)
             await self._close_sockets()
             return 2
         try:
@@ -145,10 +161,9 @@ class Server:
             "events": bind(events, wanted["events"], "events"),
             "replay": bind(replay, wanted["replay"], "replay"),
         }
-        self.endpoints = Endpoints(**bound)
-        write_endpoints(runtime_dir, self.endpoints)
 
         registry = Registry(device)
+        self._registry = registry
         # A fresh epoch per start lets subscribers tell a restart (seqs begin at 1 again).
         publisher = Publisher(events, config.replay_buffer, epoch=secrets.randbits(63))
         executor_factory = None
@@ -183,8 +198,15 @@ class Server:
             lambda: config.batch_window_us / 1e6,
         )
 
+        metrics_url = await self._start_metrics()
+        self.endpoints = Endpoints(**bound, metrics=metrics_url)
+        write_endpoints(runtime_dir, self.endpoints)
+
+        self._ingest_reader = SocketReader(
+            loop, ingest, pipeline.on_ingest, after=pipeline.kick, multipart=False
+        )
         self._readers = [
-            SocketReader(loop, ingest, pipeline.on_ingest, after=pipeline.kick, multipart=False),
+            self._ingest_reader,
             SocketReader(loop, control, self._control.on_request),
             SocketReader(loop, replay, lambda frames: publisher.answer_replay(replay, frames)),
         ]
@@ -203,18 +225,75 @@ class Server:
             bound["events"],
             bound["replay"],
         )
+        if metrics_url:
+            log.info("metrics at %s", metrics_url)
+        self._announce_ready(loop)
         if self.on_ready is not None:
             self.on_ready(self)
+
+    async def _start_metrics(self) -> str:
+        """Listen for scrapes if ``metrics_addr`` is set; returns the URL bound or ''."""
+        if not self.config.metrics_addr:
+            return ""
+        try:
+            host, port = parse_metrics_addr(self.config.metrics_addr)
+        except ValueError as exc:
+            raise StartupError(str(exc)) from exc
+        server = MetricsServer(self.metrics.render)
+        try:
+            url = await server.start(host, port)
+        except OSError as exc:
+            raise StartupError(
+                f"metrics_addr: cannot listen on {self.config.metrics_addr!r}: "
+                f"{exc.strerror or exc}"
+            ) from exc
+        self._metrics_server = server
+        return url
+
+    def _announce_ready(self, loop: asyncio.AbstractEventLoop) -> None:
+        notifier = self.notifier
+        if not notifier.enabled:
+            return
+        self._last_status = self.summary()
+        notifier.ready(self._last_status)
+        interval = notifier.watchdog_interval_s
+        if interval is not None:
+            self._timers.append(Every(loop, interval, notifier.watchdog))
+        self._timers.append(Every(loop, STATUS_INTERVAL_S, self._report_status))
+
+    def summary(self) -> str:
+        """One line for `systemctl status`: caches, requests in flight, outcomes so far."""
+        caches = len(self._registry) if self._registry is not None else 0
+        in_flight = len(self._pipeline.ledger) if self._pipeline is not None else 0
+        return (
+            f"serving {_counted(caches, 'cache')}, {_counted(in_flight, 'request')} in flight, "
+            f"{self.metrics.ready.value} ready, {self.metrics.failed.value} failed"
+        )
+
+    def _report_status(self) -> None:
+        if self.should_exit:
+            return  # the drain's STATUS stays until exit
+        status = self.summary()
+        if status != self._last_status:
+            self._last_status = status
+            self.notifier.status(status)
 
     async def main_loop(self) -> None:
         await self._exit.wait()
 
     def handle_exit(self, sig: int) -> None:
+        name = signal.Signals(sig).name
         if self.should_exit:
             self.force_exit = True
-            log.warning("second %s: forcing exit", signal.Signals(sig).name)
+            log.warning("second %s: forcing exit", name)
+            self.notifier.status(f"{name} again: forcing exit")
         else:
-            log.info("%s received: draining", signal.Signals(sig).name)
+            in_flight = len(self._pipeline.ledger) if self._pipeline is not None else 0
+            log.info("%s received: draining %d requests in flight", name, in_flight)
+            self.notifier.stopping(f"draining {_counted(in_flight, 'request')} in flight")
+            if self._pipeline is not None:
+                # From this point every new notification is refused, however soon it arrives.
+                self._pipeline.stop_accepting()
         self.should_exit = True
         self._exit.set()
 
@@ -222,13 +301,8 @@ class Server:
         clean = True
         pipeline = self._pipeline
         if pipeline is not None:
-            if not self.force_exit:
-                in_flight = len(pipeline.ledger)
-                if in_flight:
-                    log.info("draining %d requests in flight", in_flight)
-                drained = await self._drain(pipeline)
-                if not drained:
-                    clean = False
+            if not self.force_exit and not await self._drain(pipeline):
+                clean = False
             left = len(pipeline.ledger)
             if left:
                 failed = pipeline.fail_unfinished(
@@ -236,8 +310,14 @@ class Server:
                 )
                 log.error("exit with %d requests unfinished: answered them with Failed", failed)
                 clean = False
-            if not pipeline.close(timeout=1.0):
-                log.error("executor did not stop in time")
+            if self._ingest_reader is not None:
+                # Notifications that reached the socket during the drain get their Failed now.
+                self._ingest_reader.flush()
+            # A forced exit does not wait for a transform in progress; its requests are answered.
+            if not pipeline.close(timeout=0.1 if self.force_exit else 1.0):
+                self.work_abandoned = True
+                if not self.force_exit:
+                    log.error("executor did not stop in time")
                 clean = False
         if self._control is not None:
             await self._control.close()
@@ -246,23 +326,31 @@ class Server:
         return clean
 
     async def _drain(self, pipeline: Pipeline) -> bool:
-        drain = asyncio.ensure_future(pipeline.drain(DRAIN_TIMEOUT_S))
+        timeout = self.config.drain_timeout_s
+        drain = asyncio.ensure_future(pipeline.drain(timeout))
         self._exit.clear()
         forced = asyncio.ensure_future(self._exit.wait())
         done, _ = await asyncio.wait({drain, forced}, return_when=asyncio.FIRST_COMPLETED)
         forced.cancel()
         if drain in done:
             if not drain.result():
-                log.error("drain did not finish within %.1fs", DRAIN_TIMEOUT_S)
+                log.error("drain did not finish within %gs", timeout)
                 return False
             return True
         drain.cancel()
         return False
 
     async def _close_sockets(self) -> None:
+        for timer in self._timers:
+            timer.cancel()
+        self._timers = []
+        if self._metrics_server is not None:
+            await self._metrics_server.close()
+            self._metrics_server = None
         for reader in self._readers:
             reader.close()
         self._readers = []
+        self._ingest_reader = None
         for sock in self._sockets:
             # Let queued events reach subscribers, but never hang the exit on a dead peer.
             sock.close(linger=500)
@@ -276,6 +364,7 @@ class Server:
         loop = asyncio.get_running_loop()
         for sig in _HANDLED_SIGNALS:
             loop.remove_signal_handler(sig)
+        self.notifier.close()
 
     def _socket(self, kind: int) -> zmq.Socket[bytes]:
         assert self._ctx is not None
@@ -283,6 +372,10 @@ class Server:
         sock.setsockopt(zmq.LINGER, 0)
         self._sockets.append(sock)
         return sock
+
+
+def _counted(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:

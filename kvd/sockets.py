@@ -3,6 +3,7 @@
 Endpoints default to ``ipc://`` files in the runtime directory. TCP endpoints bind loopback
 unless the host is given; port 0 picks a free port, and the bound address (``LAST_ENDPOINT``)
 is written to ``endpoints.json`` in the runtime directory so that clients never guess ports.
+The metrics URL, when metrics are served, is written there too.
 """
 
 from __future__ import annotations
@@ -39,9 +40,11 @@ class Endpoints:
     ingest: str
     events: str
     replay: str
+    metrics: str = ""
+    """The URL of the Prometheus endpoint, empty when metrics are off."""
 
     def as_dict(self) -> dict[str, str]:
-        return asdict(self)
+        return {name: value for name, value in asdict(self).items() if value}
 
 
 def default_runtime_dir(gpu: str, environ: Mapping[str, str] | None = None) -> Path:
@@ -128,7 +131,8 @@ def read_endpoints(runtime_dir: str | Path) -> Endpoints:
     runtime_dir = Path(runtime_dir)
     try:
         data = json.loads((runtime_dir / ENDPOINTS_FILE).read_text())
-        return Endpoints(**{name: str(data[name]) for name in ENDPOINT_NAMES})
+        bound = {name: str(data[name]) for name in ENDPOINT_NAMES}
+        return Endpoints(**bound, metrics=str(data.get("metrics", "")))
     except (OSError, KeyError, TypeError, ValueError):
         return Endpoints(
             **{name: f"ipc://{runtime_dir / f'{name}.sock'}" for name in ENDPOINT_NAMES}
@@ -189,6 +193,11 @@ class SocketReader:
         self._closed = False
         loop.add_reader(self._fd, self._ready)
         self._schedule()  # messages may have arrived before the reader was added
+
+    def flush(self) -> None:
+        """Handle every message already queued on the socket now (before the socket closes)."""
+        while not self._closed and int(_raw_get(self._sock, _EVENTS)) & _POLLIN:
+            self._ready()
 
     def close(self) -> None:
         if not self._closed:

@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import secrets
+import select
+import socket
+import struct
 import time
 from collections.abc import Iterable
+from pathlib import Path
+
+import msgspec
+import zmq
 
 from kvd.client import Client, Delivery, Subscription
 from kvd.protocol import Event
@@ -42,3 +51,119 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02) -> None:
 def subscribed(client: Client, topics: list[str]) -> Subscription:
     """A subscription that is known to be connected: replays from 1, so nothing is missed."""
     return client.subscribe(topics, from_seq=1)
+
+
+class NotifyReceiver:
+    """A stand-in for systemd's notify socket: an AF_UNIX datagram socket that records the
+    ``KEY=VALUE`` messages it receives and the pid that sent each (SO_PASSCRED).
+
+    With ``path`` it binds a file; without, a name in the abstract namespace. ``env_value`` is
+    what to put in ``NOTIFY_SOCKET``.
+    """
+
+    _UCRED = struct.Struct("3i")
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        if path is None:
+            name = f"kvd-test-{os.getpid()}-{secrets.token_hex(4)}"
+            self.sock.bind(b"\0" + name.encode())
+            self.env_value = "@" + name
+        else:
+            self.sock.bind(str(path))
+            self.env_value = str(path)
+        self.messages: list[tuple[dict[str, str], int]] = []
+
+    def receive(self, timeout: float) -> tuple[dict[str, str], int] | None:
+        """The next message (fields, sender pid), or None if none came within ``timeout``."""
+        ready, _, _ = select.select([self.sock], [], [], timeout)
+        if not ready:
+            return None
+        data, ancillary, _, _ = self.sock.recvmsg(4096, socket.CMSG_SPACE(self._UCRED.size))
+        pid = 0
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+                pid = self._UCRED.unpack(payload[: self._UCRED.size])[0]
+        fields = dict(line.split("=", 1) for line in data.decode().splitlines())
+        self.messages.append((fields, pid))
+        return fields, pid
+
+    def wait_for(
+        self, key: str, timeout: float = 30.0, containing: str = ""
+    ) -> tuple[dict[str, str], int]:
+        """Receive until a message sets ``key`` (to a value containing ``containing``)."""
+        deadline = time.monotonic() + timeout
+        while (remaining := deadline - time.monotonic()) > 0:
+            got = self.receive(remaining)
+            if got is not None and key in got[0] and containing in got[0][key]:
+                return got
+        raise AssertionError(f"no {key}=...{containing} within {timeout}s; got {self.messages}")
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class EventTap:
+    """A bare SUB socket on kvd's events topic ``cache_id``: no replay and no resync, so it
+    sees exactly what kvd published, and keeps working after kvd exits.
+
+    It is known to be connected when created: Ready events of probe notifications (no work:
+    NHD into an NHD cache) are sent until one arrives. Probe events are left out of results.
+    """
+
+    PROBE = "tap-probe-"
+
+    def __init__(self, client: Client, cache_id: str) -> None:
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._sock = self._ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock.setsockopt(zmq.SUBSCRIBE, cache_id.encode())
+        self._sock.connect(client.endpoints.events)
+        self._decoder = msgspec.msgpack.Decoder(Event)
+        probes = 0
+        while not self._sock.poll(100):
+            client.read_done(
+                f"{self.PROBE}{probes}", cache_id, [0], remote_layout="NHD", block_size_ratio=1
+            )
+            probes += 1
+
+    def _next(self, timeout: float) -> Event | None:
+        deadline = time.monotonic() + timeout
+        while (remaining := deadline - time.monotonic()) > 0:
+            if not self._sock.poll(int(remaining * 1000) + 1):
+                return None
+            _, _, payload = self._sock.recv_multipart()
+            event = self._decoder.decode(payload)
+            if not event.req_id.startswith(self.PROBE):
+                return event
+        return None
+
+    def events(self, count: int, timeout: float = 30.0) -> list[Event]:
+        """The next ``count`` events, polling until a deadline."""
+        deadline = time.monotonic() + timeout
+        out: list[Event] = []
+        while len(out) < count:
+            event = self._next(deadline - time.monotonic())
+            if event is None:
+                raise AssertionError(f"got {len(out)} of {count} events within {timeout}s")
+            out.append(event)
+        return out
+
+    def already_delivered(self) -> list[Event]:
+        """Events still queued on the socket (after kvd exited, nothing more can come)."""
+        out = []
+        while (event := self._next(0.05)) is not None:
+            out.append(event)
+        return out
+
+    def close(self) -> None:
+        self._sock.close()
+        self._ctx.term()
+
+    def __enter__(self) -> EventTap:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

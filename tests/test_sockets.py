@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -47,6 +49,10 @@ def test_endpoints_file_round_trip(short_tmp: Path) -> None:
     assert (
         read_endpoints(short_tmp / "none").ingest == f"ipc://{short_tmp / 'none' / 'ingest.sock'}"
     )
+    assert "metrics" not in json.loads((short_tmp / "endpoints.json").read_text())
+    with_metrics = dataclasses.replace(eps, metrics="http://127.0.0.1:9400/metrics")
+    write_endpoints(short_tmp, with_metrics)
+    assert read_endpoints(short_tmp) == with_metrics
 
 
 def test_runtime_lock_excludes_a_second_daemon(short_tmp: Path) -> None:

@@ -1,0 +1,113 @@
+"""The ``/metrics`` endpoint: Prometheus text over HTTP/1.1, served from the event loop.
+
+Each connection gets one response and is closed; a scrape is one small request, so there is no
+keep-alive, no chunking and nothing that could block the loop. Slow or silent clients are cut
+off after ``REQUEST_TIMEOUT_S``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+REQUEST_TIMEOUT_S = 10.0
+_HEAD_LIMIT = 16 * 1024
+_BRACKETED = re.compile(r"^\[(?P<host>[^\]]+)\]:(?P<port>\d+)$")
+
+
+def parse_metrics_addr(spec: str) -> tuple[str, int]:
+    """(host, port) from ``HOST:PORT``, ``:PORT``, ``PORT`` (loopback) or ``[V6ADDR]:PORT``.
+
+    Raises ``ValueError`` with a message that names the ``metrics_addr`` setting.
+    """
+    text = spec.strip()
+    host, port = LOOPBACK, ""
+    if text.isdigit():
+        port = text
+    elif match := _BRACKETED.match(text):
+        host, port = match["host"], match["port"]
+    else:
+        name, sep, port = text.rpartition(":")
+        if not sep or ":" in name or not port.isdigit():
+            raise ValueError(
+                f"metrics_addr: {spec!r} is not HOST:PORT, :PORT or PORT "
+                "(an IPv6 address goes in brackets: [::1]:9400)"
+            )
+        host = name or LOOPBACK
+    number = int(port)
+    if number > 65535:
+        raise ValueError(f"metrics_addr: port {number} is outside 0..65535")
+    return host, number
+
+
+def metrics_url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}/metrics" if ":" in host else f"http://{host}:{port}/metrics"
+
+
+class MetricsServer:
+    """Answers ``GET /metrics`` with ``render()``; other paths get 404, other methods 405."""
+
+    def __init__(self, render: Callable[[], str]) -> None:
+        self._render = render
+        self._server: asyncio.Server | None = None
+        self._connections: set[asyncio.StreamWriter] = set()
+        self.url = ""
+
+    async def start(self, host: str, port: int) -> str:
+        """Listen on (host, port); returns the URL actually bound (port 0 picks one).
+
+        Raises ``OSError`` when the address cannot be bound.
+        """
+        self._server = await asyncio.start_server(self._serve, host, port, limit=_HEAD_LIMIT)
+        bound_host, bound_port = self._server.sockets[0].getsockname()[:2]
+        self.url = metrics_url(bound_host, bound_port)
+        return self.url
+
+    async def close(self) -> None:
+        if self._server is None:
+            return
+        self._server.close()
+        for writer in list(self._connections):
+            writer.close()
+        await self._server.wait_closed()
+        self._server = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._connections.add(writer)
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT_S)
+            status, body = self._answer(head)
+            writer.write(_response(status, body))
+            await writer.drain()
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError):
+            pass  # a scraper that went away or never finished its request: nothing to answer
+        except OSError as exc:
+            log.debug("metrics connection failed: %s", exc)
+        finally:
+            self._connections.discard(writer)
+            writer.close()
+
+    def _answer(self, head: bytes) -> tuple[str, bytes]:
+        method, _, rest = head.partition(b" ")
+        target = rest.partition(b" ")[0].partition(b"?")[0]
+        if method != b"GET":
+            return "405 Method Not Allowed", b"only GET is served\n"
+        if target != b"/metrics":
+            return "404 Not Found", b"metrics are at /metrics\n"
+        return "200 OK", self._render().encode()
+
+
+def _response(status: str, body: bytes) -> bytes:
+    head = (
+        f"HTTP/1.1 {status}\r\n"
+        f"Content-Type: {CONTENT_TYPE}\r\n"
+        f"Content-Length: {len(body)}\r\n"
+        "Connection: close\r\n\r\n"
+    )
+    return head.encode() + body
