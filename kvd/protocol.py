@@ -313,6 +313,58 @@ class ReplayEnd(_Message, tag="replay_end"):
     message: str = ""
 
 
+# ---------------------------------------------------------------------------------------------
+# Handshake socket (ROUTER on the prefill side; readers REQ or DEALER). kvd itself does not serve
+# it: the prefill engine's ``kvd.nixl.Exporter`` does, and the decode side's ``kvd.nixl.Reader``
+# asks it once per peer before issuing NIXL READs.
+
+
+class Handshake(_Message, tag="handshake"):
+    """Ask an exporter for its NIXL agent metadata and the description of its cache."""
+
+    engine_id: str = ""
+
+
+class RemoteTensor(msgspec.Struct, omit_defaults=True, gc=False, kw_only=True):
+    """One tensor the exporter registered with NIXL, in the exporter's address space.
+
+    ``block_len`` is the byte length of one block in one K/V region of the tensor (a split tensor
+    has two regions, K then V, of ``num_blocks`` blocks each; other arrangements have one).
+    """
+
+    name: str
+    base_addr: NonNegative
+    nbytes: NonNegative
+    block_len: NonNegative
+
+
+class CacheDescription(_Message, tag="cache_description"):
+    """What a reader needs to address the exporter's blocks with NIXL.
+
+    Every tensor has the geometry given by ``kv_arrangement``, ``layout``, ``block_size``,
+    ``num_heads``, ``head_dim`` and ``dtype`` (see ``TensorSpec``). The reader sends, with each
+    READ, the notification ``<req_id>:<tp_size>`` that vLLM's prefill side counts.
+    """
+
+    engine_id: str
+    agent_name: str
+    agent_metadata: bytes
+    mem_type: Literal["DRAM", "VRAM"]
+    num_blocks: int
+    block_size: int
+    layout: Layout
+    kv_arrangement: KVArrangement
+    dtype: DTypeName
+    num_heads: int
+    head_dim: int
+    tensors: list[RemoteTensor]
+    device_id: NonNegative = 0
+    tp_size: Annotated[int, msgspec.Meta(ge=1)] = 1
+
+
+HandshakeReply = CacheDescription | Error
+
+
 class MessageHeader(msgspec.Struct, gc=False):
     """The fields kvd needs to answer a notification it could not decode in full."""
 

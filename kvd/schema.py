@@ -24,6 +24,8 @@ SOCKETS: dict[str, Any] = {
     "event": p.Event,
     "replay_request": p.Replay,
     "replay_end": p.ReplayEnd,
+    "handshake_request": p.Handshake,
+    "handshake_reply": p.HandshakeReply,
 }
 """The union each socket direction carries, by name."""
 
@@ -177,6 +179,28 @@ def golden_messages() -> dict[str, tuple[str, Any]]:
         "replay_end": (
             "replay_end",
             p.ReplayEnd(topic="engine0", oldest_seq=1, newest_seq=42, epoch=6917529027641081856),
+        ),
+        "handshake": ("handshake_request", p.Handshake(engine_id="decode-0")),
+        "cache_description": (
+            "handshake_reply",
+            p.CacheDescription(
+                engine_id="prefill-0",
+                agent_name="prefill-0",
+                agent_metadata=b"opaque NIXL agent metadata",
+                mem_type="DRAM",
+                num_blocks=1024,
+                block_size=16,
+                layout="HND",
+                kv_arrangement="split",
+                dtype="bfloat16",
+                num_heads=8,
+                head_dim=128,
+                tensors=[
+                    p.RemoteTensor(
+                        name="layer.0", base_addr=1 << 40, nbytes=67108864, block_len=32768
+                    )
+                ],
+            ),
         ),
     }
 
