@@ -72,7 +72,28 @@ def tensor_geometry(spec: TensorSpec, where: str = "tensor") -> TensorGeometry:
 
     Raises ``GeometryError`` naming ``where`` and the field at fault.
     """
-    shape = list(spec.shape)
+    return shape_geometry(
+        spec.shape,
+        dtype=spec.dtype,
+        layout=spec.layout,
+        kv_arrangement=spec.kv_arrangement,
+        block_size=spec.block_size,
+        where=where,
+    )
+
+
+def shape_geometry(
+    shape: Sequence[int],
+    *,
+    dtype: DTypeName,
+    layout: Layout,
+    kv_arrangement: KVArrangement,
+    block_size: int,
+    where: str = "tensor",
+) -> TensorGeometry:
+    """``tensor_geometry`` for a shape and its description given field by field."""
+    spec = _Fields(list(shape), dtype, layout, kv_arrangement, block_size)
+    shape = spec.shape
     if any(d <= 0 for d in shape):
         raise GeometryError(f"{where}.shape: every dimension must be > 0, got {shape}")
     if spec.block_size <= 0:
@@ -120,6 +141,15 @@ def tensor_geometry(spec: TensorSpec, where: str = "tensor") -> TensorGeometry:
         head_dim=head_dim,
         itemsize=DTYPE_ITEMSIZE[spec.dtype],
     )
+
+
+@dataclass(frozen=True, slots=True)
+class _Fields:
+    shape: list[int]
+    dtype: DTypeName
+    layout: Layout
+    kv_arrangement: KVArrangement
+    block_size: int
 
 
 def cache_geometry(specs: Sequence[TensorSpec]) -> list[TensorGeometry]:
