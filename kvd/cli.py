@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(commands)
     _add_tail(commands)
     _add_status(commands)
+    _add_demo(commands)
     _add_bench(commands)
     return parser
 
@@ -275,6 +276,35 @@ def _table(rows: Sequence[Sequence[str]]) -> list[str]:
     return [
         "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows
     ]
+
+
+# -- demo ---------------------------------------------------------------------------------------
+
+
+def _add_demo(commands: Any) -> None:
+    from kvd.demo import add_arguments
+
+    demo = commands.add_parser(
+        "demo",
+        help="the whole chain with real NIXL transfers, verified byte for byte (no GPU needed)",
+        description=(
+            "Starts kvd serve, three prefill processes that fill their caches with known content "
+            "and export them with NIXL, and a decode process that pulls requests with NIXL READs "
+            "(UCX over loopback), has kvd post-process them and checks every token of every "
+            "decode block against what the prefill wrote. Runs prefill 16-token HND blocks into "
+            "decode 16/32/64 NHD and HND, NHD into NHD and HND, and two prefill engines with "
+            "different block sizes into one decode cache at once. Exits 1 if anything fails to "
+            "verify."
+        ),
+    )
+    add_arguments(demo)
+    demo.set_defaults(run=_demo)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from kvd.demo import run
+
+    return run(args)
 
 
 # -- bench --------------------------------------------------------------------------------------
