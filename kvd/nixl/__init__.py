@@ -6,6 +6,16 @@ READs (block mapping in ``kvd.nixl.mapping``) and sends kvd ``ReadDone`` or ``Re
 Importing this package does not load NIXL; creating an exporter or reader does.
 """
 
+from kvd.nixl.exporter import Exporter
 from kvd.nixl.mapping import MappingError, ReadPlan, plan_read
+from kvd.nixl.reader import HandshakeError, Reader, ReadResult
 
-__all__ = ["MappingError", "ReadPlan", "plan_read"]
+__all__ = [
+    "Exporter",
+    "HandshakeError",
+    "MappingError",
+    "ReadPlan",
+    "ReadResult",
+    "Reader",
+    "plan_read",
+]
