@@ -287,39 +287,29 @@ def _report(
     }
 
 
+def _row(name: str, figures: dict[str, Any]) -> list[str]:
+    lat = figures["read_done_to_ready_us"]
+    return [
+        name,
+        str(figures["requests"]),
+        str(figures["blocks"]),
+        "yes" if figures["verified"] else "NO",
+        f"{figures['nixl_gbps']:.2f}",
+        f"{lat['p50']:.0f}",
+        f"{lat['p99']:.0f}",
+        f"{figures['kvd_elapsed_us']['p50']:.0f}",
+    ]
+
+
 def _table(report: dict[str, Any]) -> str:
     from kvd.cli import _table as render
 
+    # The report and each case carry the same figures under the same keys.
     rows = [
-        ["case", "requests", "blocks", "verified", "NIXL GB/s", "p50 us", "p99 us", "kvd p50 us"]
+        ["case", "requests", "blocks", "verified", "NIXL GB/s", "p50 us", "p99 us", "kvd p50 us"],
+        *(_row(c["name"], c) for c in report["cases"]),
+        _row("all", report),
     ]
-    for c in report["cases"]:
-        lat = c["read_done_to_ready_us"]
-        rows.append(
-            [
-                c["name"],
-                str(c["requests"]),
-                str(c["blocks"]),
-                "yes" if c["verified"] else "NO",
-                f"{c['nixl_gbps']:.2f}",
-                f"{lat['p50']:.0f}",
-                f"{lat['p99']:.0f}",
-                f"{c['kvd_elapsed_us']['p50']:.0f}",
-            ]
-        )
-    lat = report["read_done_to_ready_us"]
-    rows.append(
-        [
-            "all",
-            str(report["requests"]),
-            str(report["blocks"]),
-            "yes" if report["verified"] else "NO",
-            f"{report['nixl_gbps']:.2f}",
-            f"{lat['p50']:.0f}",
-            f"{lat['p99']:.0f}",
-            f"{report['kvd_elapsed_us']['p50']:.0f}",
-        ]
-    )
     lines = render(rows)
     lines.insert(1, "-" * len(lines[0]))
     lines.insert(len(lines) - 1, "-" * len(lines[0]))
