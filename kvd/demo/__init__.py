@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -361,7 +362,7 @@ def add_arguments(demo: argparse.ArgumentParser) -> None:
     demo.add_argument("--seed", type=int, default=0, help="request mix seed (default: 0)")
     demo.add_argument(
         "--batch-window-us",
-        type=int,
+        type=_non_negative,
         default=None,
         help="kvd's batch window for the run (default: kvd's default)",
     )
@@ -374,14 +375,21 @@ def add_arguments(demo: argparse.ArgumentParser) -> None:
     demo.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+_positive = _int_at_least(1)
+_non_negative = _int_at_least(0)
 
 
 def _positive_float(text: str) -> float:

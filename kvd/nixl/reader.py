@@ -305,6 +305,11 @@ class Reader:
         if state == "ERR":
             self._finish(pending, "NIXL transfer state ERR at post")
             return
+        if state == "DONE":  # small READs can complete inside the post
+            self._finish(pending, "")
+            if self._wakeup is not None:
+                self._wakeup.set()
+            return
         self._pending.append(pending)
         if self._wakeup is not None:
             self._wakeup.set()
