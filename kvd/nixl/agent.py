@@ -49,7 +49,11 @@ def nixl_errors() -> tuple[type[BaseException], ...]:
 
 
 def make_agent(name: str, backend: str = DEFAULT_BACKEND) -> Any:
-    """A NIXL agent with one backend and NIXL's progress thread."""
+    """A NIXL agent with one backend and without NIXL's progress thread.
+
+    That thread polls with no pause and takes a whole core; ``Reader.poll`` and ``Exporter.poll``
+    progress the agent instead, as often as their owners call them.
+    """
     api = nixl_api()
     config = api.nixl_agent_config(enable_prog_thread=False, backends=[backend])
     agent = api.nixl_agent(name, config)
@@ -63,7 +67,7 @@ def mem_type(tensor: torch.Tensor) -> str:
 
 
 def device_id(tensor: torch.Tensor) -> int:
-    return tensor.device.index or 0 if tensor.is_cuda else 0
+    return (tensor.device.index or 0) if tensor.is_cuda else 0
 
 
 def registration(tensors: list[torch.Tensor]) -> list[tuple[int, int, int, str]]:
