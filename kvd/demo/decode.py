@@ -92,6 +92,9 @@ class CaseRun:
     kvd_us: list[int] = field(default_factory=list)
     read_bytes: int = 0
     read_intervals: list[tuple[float, float]] = field(default_factory=list)
+    # A READ that finishes inside its post is reported by the reader's next poll, so kvd's Ready
+    # can come first: req_id -> when that Ready was received, until the read result is in.
+    ready_before_read: dict[str, float] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -158,7 +161,12 @@ class Decode:
         return self._summary(run)
 
     async def _drive(self, run: CaseRun) -> None:
-        while run.issued < self.spec.requests or run.in_flight or run.checking:
+        while (
+            run.issued < self.spec.requests
+            or run.in_flight
+            or run.checking
+            or run.ready_before_read
+        ):
             while (
                 run.issued < self.spec.requests
                 and len(run.in_flight) < self.spec.concurrency
@@ -194,14 +202,16 @@ class Decode:
 
     def on_read(self, result: ReadResult) -> None:
         run = self.runs.get(result.cache_id)
-        req = run.in_flight.get(result.req_id) if run else None
-        if run is None or req is None:
-            return
-        if result.ok:
+        if run is None or not result.ok:
+            return  # a failed read ends with kvd's Failed event, handled in on_event
+        run.read_bytes += result.nbytes
+        run.read_intervals.append((result.started, result.finished))
+        req = run.in_flight.get(result.req_id)
+        if req is not None:
             req.read_done = result.finished
-            run.read_bytes += result.nbytes
-            run.read_intervals.append((result.started, result.finished))
-        # A failed read ends with kvd's Failed event, handled in on_event.
+        elif (received := run.ready_before_read.pop(result.req_id, None)) is not None:
+            run.latencies_us.append((received - result.finished) * 1e6)
+            run.changed.set()
 
     def on_event(self, event: Ready | Failed, received: float) -> None:
         """An event from kvd, received (by the events thread) at ``received``."""
@@ -214,7 +224,10 @@ class Decode:
         elif event.physical_block_ids != req.local_block_ids:
             run.failures.append(f"{event.req_id}: Ready names other blocks")
         else:
-            run.latencies_us.append((received - (req.read_done or req.started)) * 1e6)
+            if req.read_done is None:
+                run.ready_before_read[event.req_id] = received
+            else:
+                run.latencies_us.append((received - req.read_done) * 1e6)
             run.kvd_us.append(event.elapsed_us)
             # The check runs on a worker thread so the loop keeps polling NIXL meanwhile; the
             # blocks go back to the free list only once they have been checked.
