@@ -7,7 +7,10 @@ issues one READ per request. ``poll`` checks the READs without waiting and sends
 NIXL reports an error, the peer is gone, or the READ outlives ``read_timeout_s``.
 
 Every ``read`` ends in exactly one ``ReadResult`` from ``poll`` and exactly one notification to
-kvd, failures included (a bad block list, an unknown peer): nothing is left unanswered.
+kvd, failures included (a bad block list, an unknown peer): nothing is left unanswered. The
+notification goes out as soon as the READ is seen to end, which for a READ that completes
+inside its post (common for small ones) is within ``read`` itself; its ``ReadResult`` comes with
+the next ``poll``, so kvd's event for it may arrive before the result does.
 """
 
 from __future__ import annotations
