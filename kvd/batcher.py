@@ -57,6 +57,11 @@ class Batcher:
             len(b.requests) for b in self._full
         )
 
+    @property
+    def waiting(self) -> bool:
+        """Whether any request waits in a batch (cheaper than ``len``)."""
+        return bool(self._open or self._full)
+
     def add(self, request: Request, now_ns: int) -> Batch:
         """Put ``request`` into the open batch of its key, opening one if needed.
 

@@ -41,6 +41,8 @@ from kvd.protocol import (
 from kvd.registry import AttachError, Registry
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from kvd.config import Config
 
 log = logging.getLogger(__name__)
@@ -72,6 +74,9 @@ class Control:
         self._started = time.monotonic()
         self._tasks: set[asyncio.Task[None]] = set()
         self._opening: set[str] = set()
+        self.after_reply: Callable[[], None] | None = None
+        """Called after each reply: attach replies leave from a task, outside the socket's reader
+        (see ``SocketReader.poke``)."""
 
     def on_request(self, frames: list[bytes]) -> None:
         if len(frames) < 2:
@@ -222,6 +227,8 @@ class Control:
     def _send(self, envelope: list[bytes], reply: ControlReply) -> None:
         # ROUTER drops replies to peers that went away; that is the right answer to a gone peer.
         self._sock.send_multipart([*envelope, self._encoder.encode(reply)], zmq.NOBLOCK)
+        if self.after_reply is not None:
+            self.after_reply()
 
     async def close(self) -> None:
         for task in list(self._tasks):

@@ -215,6 +215,8 @@ class Pipeline:
 
     def kick(self) -> None:
         """Launch what is due if the executor can take it; arm the window timer for the rest."""
+        if not self.batcher.waiting:
+            return  # the common case after a burst of notifications that needed no work
         if self.executor.has_capacity():
             now = time.monotonic_ns()
             due = self.batcher.take_due(now) if self.accepting else self.batcher.take_all()

@@ -203,11 +203,13 @@ class Server:
         write_endpoints(runtime_dir, self.endpoints)
 
         self._ingest_reader = SocketReader(
-            loop, ingest, pipeline.on_ingest, after=pipeline.kick, multipart=False
+            loop, ingest, pipeline.on_ingest, after=pipeline.kick, multipart=False, sends=False
         )
+        control_reader = SocketReader(loop, control, self._control.on_request)
+        self._control.after_reply = control_reader.poke
         self._readers = [
             self._ingest_reader,
-            SocketReader(loop, control, self._control.on_request),
+            control_reader,
             SocketReader(loop, replay, lambda frames: publisher.answer_replay(replay, frames)),
         ]
         for sig in _HANDLED_SIGNALS:

@@ -167,6 +167,9 @@ class SocketReader:
     budget is spent, then the rest is read on the next loop iteration so other work can run),
     and ``EVENTS`` is checked again because sending on the socket can consume the edge.
 
+    ``sends=False`` says neither ``handle`` nor ``after`` sends on this socket, so the EVENTS
+    query that ended the read still holds and is not repeated.
+
     With ``multipart=False`` every frame is handed over as a message of its own: the ingest
     socket's protocol is one frame per message, and skipping the RCVMORE query per frame halves
     the cost of a read.
@@ -181,6 +184,7 @@ class SocketReader:
         after: Callable[[], None] | None = None,
         budget: int = 512,
         multipart: bool = True,
+        sends: bool = True,
     ) -> None:
         self._loop = loop
         self._sock = sock
@@ -188,6 +192,7 @@ class SocketReader:
         self._after = after
         self._budget = budget
         self._multipart = multipart
+        self._sends = sends
         self._fd = int(_raw_get(sock, zmq.FD))
         self._scheduled = False
         self._closed = False
@@ -209,22 +214,36 @@ class SocketReader:
             self._scheduled = True
             self._loop.call_soon(self._ready)
 
+    def poke(self) -> None:
+        """Read again if messages wait: call after sending on this socket outside ``handle``.
+
+        A send processes ZMQ's pending commands, which can consume the FD's edge while a message
+        is queued; without this check the loop would not wake for it until the next one arrived.
+        """
+        if not self._closed and int(_raw_get(self._sock, _EVENTS)) & _POLLIN:
+            self._schedule()
+
     def _ready(self) -> None:
         self._scheduled = False
         if self._closed:
             return
         sock = self._sock
         handle = self._handle
+        # A wake-up nearly always means a message: receive first, then ask EVENTS whether more
+        # wait, rather than receiving until zmq.Again (an exception costs more than the query).
         try:
             for _ in range(self._budget):
                 if self._multipart:
                     handle(sock.recv_multipart(_NOBLOCK))
                 else:
                     handle([raw_recv(sock, _NOBLOCK)])
-            self._schedule()  # budget spent: continue after other callbacks had a turn
+                if not int(_raw_get(sock, _EVENTS)) & _POLLIN:
+                    break
+            else:
+                self._schedule()  # budget spent: continue after other callbacks had a turn
         except zmq.Again:
             pass
         if self._after is not None:
             self._after()
-        if not self._closed and int(_raw_get(sock, _EVENTS)) & _POLLIN:
-            self._schedule()
+        if self._sends:
+            self.poke()  # the handler replied on this socket, which can consume the edge

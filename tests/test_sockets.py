@@ -1,15 +1,19 @@
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
+import time
 from pathlib import Path
 
 import pytest
+import zmq
 
 from kvd.sockets import (
     EndpointError,
     Endpoints,
     RuntimeLock,
+    SocketReader,
     default_runtime_dir,
     normalize_endpoint,
     read_endpoints,
@@ -66,3 +70,67 @@ def test_runtime_lock_excludes_a_second_daemon(short_tmp: Path) -> None:
     again = RuntimeLock(short_tmp)
     again.acquire()
     again.release()
+
+
+async def _wait_for(predicate: object, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:  # type: ignore[operator]
+        await asyncio.sleep(0.01)
+
+
+async def test_reader_reads_bursts_and_single_messages() -> None:
+    loop = asyncio.get_running_loop()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.bind("inproc://burst")
+    push.connect("inproc://burst")
+    got: list[bytes] = []
+    bursts = []
+    reader = SocketReader(
+        loop,
+        pull,
+        got.extend,
+        after=lambda: bursts.append(len(got)),
+        budget=8,
+        multipart=False,
+        sends=False,
+    )
+    try:
+        for i in range(50):
+            push.send(b"%d" % i)
+        await _wait_for(lambda: len(got) == 50)
+        push.send(b"last")
+        await _wait_for(lambda: len(got) == 51)
+        assert got == [b"%d" % i for i in range(50)] + [b"last"]
+        assert bursts, "after() runs once per read"
+    finally:
+        reader.close()
+        pull.close(0)
+        push.close(0)
+        ctx.term()
+
+
+async def test_poke_reads_a_message_whose_edge_a_send_consumed() -> None:
+    """A reply sent outside the reader (as attach replies are) must not strand a request."""
+    loop = asyncio.get_running_loop()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    router.bind("inproc://poke")
+    dealer.connect("inproc://poke")
+    got: list[list[bytes]] = []
+    reader = SocketReader(loop, router, got.append)
+    try:
+        dealer.send(b"one")
+        await _wait_for(lambda: len(got) == 1)
+        dealer.send(b"two")
+        time.sleep(0.05)  # it arrives while the loop is busy, before the reply below
+        router.send_multipart([got[0][0], b"reply"])
+        reader.poke()
+        await _wait_for(lambda: len(got) == 2)
+        assert [frames[-1] for frames in got] == [b"one", b"two"]
+        assert dealer.recv() == b"reply"
+    finally:
+        reader.close()
+        router.close(0)
+        dealer.close(0)
+        ctx.term()
