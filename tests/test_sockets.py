@@ -4,6 +4,7 @@ import asyncio
 import dataclasses
 import json
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -72,22 +73,41 @@ def test_runtime_lock_excludes_a_second_daemon(short_tmp: Path) -> None:
     again.release()
 
 
-async def _wait_for(predicate: object, timeout: float = 5.0) -> None:
+async def _wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
-    while not predicate() and time.monotonic() < deadline:  # type: ignore[operator]
+    while not predicate() and time.monotonic() < deadline:
         await asyncio.sleep(0.01)
 
 
-async def test_reader_reads_bursts_and_single_messages() -> None:
-    loop = asyncio.get_running_loop()
+MakePair = Callable[[int, int], tuple[zmq.Socket[bytes], zmq.Socket[bytes]]]
+
+
+@pytest.fixture
+def pair() -> Iterator[MakePair]:
+    """Makes (bound, connected) sockets over inproc; closes them and the context afterwards."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    pull.bind("inproc://burst")
-    push.connect("inproc://burst")
+    made: list[zmq.Socket[bytes]] = []
+
+    def make(bound_kind: int, peer_kind: int) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
+        bound, peer = ctx.socket(bound_kind), ctx.socket(peer_kind)
+        endpoint = f"inproc://pair-{len(made)}"
+        bound.bind(endpoint)
+        peer.connect(endpoint)
+        made.extend((bound, peer))
+        return bound, peer
+
+    yield make
+    for sock in made:
+        sock.close(0)
+    ctx.term()
+
+
+async def test_reader_reads_bursts_and_single_messages(pair: MakePair) -> None:
+    pull, push = pair(zmq.PULL, zmq.PUSH)
     got: list[bytes] = []
     bursts = []
     reader = SocketReader(
-        loop,
+        asyncio.get_running_loop(),
         pull,
         got.extend,
         after=lambda: bursts.append(len(got)),
@@ -105,20 +125,13 @@ async def test_reader_reads_bursts_and_single_messages() -> None:
         assert bursts, "after() runs once per read"
     finally:
         reader.close()
-        pull.close(0)
-        push.close(0)
-        ctx.term()
 
 
-async def test_poke_reads_a_message_whose_edge_a_send_consumed() -> None:
+async def test_poke_reads_a_message_whose_edge_a_send_consumed(pair: MakePair) -> None:
     """A reply sent outside the reader (as attach replies are) must not strand a request."""
-    loop = asyncio.get_running_loop()
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
-    router.bind("inproc://poke")
-    dealer.connect("inproc://poke")
+    router, dealer = pair(zmq.ROUTER, zmq.DEALER)
     got: list[list[bytes]] = []
-    reader = SocketReader(loop, router, got.append)
+    reader = SocketReader(asyncio.get_running_loop(), router, got.append)
     try:
         dealer.send(b"one")
         await _wait_for(lambda: len(got) == 1)
@@ -131,6 +144,3 @@ async def test_poke_reads_a_message_whose_edge_a_send_consumed() -> None:
         assert dealer.recv() == b"reply"
     finally:
         reader.close()
-        router.close(0)
-        dealer.close(0)
-        ctx.term()
