@@ -17,7 +17,8 @@ from typing import Any
 import msgspec
 
 from kvd import __version__
-from kvd.config import FIELDS, ConfigError, field_help
+from kvd.daemon.config import FIELDS, ConfigError, field_help
+from kvd.tables import format_table
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -84,7 +85,7 @@ def _add_serve(commands: Any) -> None:
 
 
 def _default_config() -> Any:
-    from kvd.config import Config
+    from kvd.daemon.config import Config
 
     return Config()
 
@@ -92,9 +93,9 @@ def _default_config() -> Any:
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
-    from kvd.config import load_config
-    from kvd.logs import setup_logging
-    from kvd.server import Server
+    from kvd.daemon.config import load_config
+    from kvd.daemon.logs import setup_logging
+    from kvd.daemon.server import Server
 
     overrides = {name: getattr(args, name) for name in FIELDS}
     try:
@@ -260,22 +261,15 @@ def format_status(reply: Any) -> str:
     if len(rows) == 1:
         lines.append("no caches attached")
     else:
-        lines += _table(rows)
+        lines += format_table(rows)
     lines.append("")
-    lines += _table([("COUNTER", "VALUE"), *((k, str(v)) for k, v in reply.counters.items())])
+    lines += format_table([("COUNTER", "VALUE"), *((k, str(v)) for k, v in reply.counters.items())])
     if reply.rejections:
         lines.append("")
-        lines += _table(
+        lines += format_table(
             [("REJECTED", "COUNT"), *((k, str(v)) for k, v in reply.rejections.items())]
         )
     return "\n".join(lines)
-
-
-def _table(rows: Sequence[Sequence[str]]) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return [
-        "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows
-    ]
 
 
 # -- demo ---------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from kvd.endpoints import Endpoints, default_runtime_dir, read_endpoints
 from kvd.protocol import (
     Attach,
     Attached,
@@ -35,7 +36,6 @@ from kvd.protocol import (
     Status,
     TensorSpec,
 )
-from kvd.sockets import Endpoints, default_runtime_dir, read_endpoints
 from kvd.subscription import AsyncSubscription, Delivery, EventsLost, ReplayError, Subscription
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from kvd.client import Client, KvdTimeout
-from kvd.sockets import Endpoints, read_endpoints
+from kvd.endpoints import Endpoints, read_endpoints
 
 
 class DaemonError(RuntimeError):

@@ -9,17 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvd.dtypes import ITEMSIZE
 from kvd.protocol import DTypeName, KVArrangement, Layout, TensorSpec
-
-DTYPE_ITEMSIZE: dict[DTypeName, int] = {
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "uint8": 1,
-    "int8": 1,
-}
 
 LAYOUTS: tuple[Layout, ...] = ("NHD", "HND")
 
@@ -139,7 +130,7 @@ def shape_geometry(
         block_size=spec.block_size,
         num_heads=num_heads,
         head_dim=head_dim,
-        itemsize=DTYPE_ITEMSIZE[spec.dtype],
+        itemsize=ITEMSIZE[spec.dtype],
     )
 
 

@@ -12,9 +12,10 @@ import secrets
 
 import torch
 
+from kvd.dtypes import torch_dtype
 from kvd.protocol import DTypeName, KVArrangement, Layout, ShmRef, TensorSpec
-from kvd.registry import SHM_DIR, TORCH_DTYPES
 
+SHM_DIR = "/dev/shm"
 _ALIGN = 4096
 
 
@@ -73,8 +74,8 @@ class ShmCache:
             num_heads=num_heads,
             head_dim=head_dim,
         )
-        torch_dtype = TORCH_DTYPES[dtype]
-        nbytes = torch_dtype.itemsize
+        dtype_ = torch_dtype(dtype)
+        nbytes = dtype_.itemsize
         for d in shape:
             nbytes *= d
         stride = -(-nbytes // _ALIGN) * _ALIGN
@@ -89,7 +90,7 @@ class ShmCache:
         tensors, specs = [], []
         for layer in range(num_layers):
             offset = layer * stride
-            tensors.append(mapped[offset : offset + nbytes].view(torch_dtype).view(shape))
+            tensors.append(mapped[offset : offset + nbytes].view(dtype_).view(shape))
             specs.append(
                 TensorSpec(
                     name=f"layer.{layer}",

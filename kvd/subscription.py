@@ -25,8 +25,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from kvd.endpoints import Endpoints
 from kvd.protocol import END_SEQ, Event, Replay, ReplayEnd, decode_seq
-from kvd.sockets import Endpoints
 
 _ENCODER = msgspec.msgpack.Encoder()
 _EVENT_DECODER = msgspec.msgpack.Decoder(Event)

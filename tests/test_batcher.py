@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvd.batcher import Batcher
-from kvd.ledger import Request
+from kvd.daemon.batcher import Batcher
+from kvd.daemon.ledger import Request
 
 US = 1000
 

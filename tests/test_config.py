@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from kvd.config import Config, ConfigError, load_config
+from kvd.daemon.config import Config, ConfigError, load_config
 
 
 def test_defaults() -> None:

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvd.ledger import Ledger, LedgerError, State
+from kvd.daemon.ledger import Ledger, LedgerError, State
 from tests.test_batcher import req
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from kvd.daemon.logs import setup_logging
 from kvd.daemon_process import DaemonProcess
-from kvd.logs import setup_logging
 
 TIMESTAMP = re.compile(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d")
 JOURNAL_LINE = re.compile(r"^<[0-7]>[\w.]+: ")
@@ -119,7 +119,7 @@ def test_daemon_under_journald(tmp_path: Path, short_tmp: Path) -> None:
     log_path.touch()
     env = {"JOURNAL_STREAM": journal_stream(log_path)}
     lines = run_daemon(DaemonProcess(runtime_dir=short_tmp / "rt", log_path=log_path, env=env))
-    assert any(line.startswith("<6>kvd.server: kvd ") for line in lines)
+    assert any(line.startswith("<6>kvd.daemon.server: kvd ") for line in lines)
     assert all(JOURNAL_LINE.match(line) for line in lines), lines
     assert not any(TIMESTAMP.search(line) for line in lines)
 
@@ -129,6 +129,6 @@ def test_daemon_json_logs(tmp_path: Path, short_tmp: Path) -> None:
         "--log-format", "json", runtime_dir=short_tmp / "rt", log_path=tmp_path / "kvd.log"
     )
     records = [json.loads(line) for line in run_daemon(daemon)]
-    assert {r["logger"] for r in records} >= {"kvd.server"}
+    assert {r["logger"] for r in records} >= {"kvd.daemon.server"}
     assert records[-1]["msg"] == "kvd stopped"
     assert all(set(r) >= {"ts", "level", "logger", "msg"} for r in records)

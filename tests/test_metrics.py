@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from kvd.metrics import Metrics
+from kvd.daemon.metrics import Metrics
 
 
 def test_prometheus_text() -> None:

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from kvd.client import ShmCache
-from kvd.config import ConfigError, load_config
+from kvd.daemon.config import ConfigError, load_config
+from kvd.daemon.metrics_http import CONTENT_TYPE, MetricsServer, parse_metrics_addr
 from kvd.daemon_process import DaemonProcess
-from kvd.metrics_http import CONTENT_TYPE, MetricsServer, parse_metrics_addr
 from kvd.protocol import Ready
 from tests.daemon_helpers import EventTap, wait_for
 

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from kvd.client import ShmCache
+from kvd.daemon.sdnotify import Notifier, notify_address
+from kvd.daemon.timers import Every
 from kvd.daemon_process import DaemonProcess
-from kvd.sdnotify import Every, Notifier, notify_address
 from tests.daemon_helpers import NotifyReceiver
 
 

@@ -10,16 +10,14 @@ from pathlib import Path
 import pytest
 import zmq
 
-from kvd.sockets import (
+from kvd.daemon.sockets import (
     EndpointError,
-    Endpoints,
     RuntimeLock,
     SocketReader,
-    default_runtime_dir,
     normalize_endpoint,
-    read_endpoints,
     write_endpoints,
 )
+from kvd.endpoints import Endpoints, default_runtime_dir, read_endpoints
 
 
 def test_runtime_dir_defaults() -> None:

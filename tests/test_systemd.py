@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from kvd.cli import build_parser
-from kvd.config import load_config
+from kvd.daemon.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 UNIT = ROOT / "systemd" / "kvd@.service"

@@ -26,11 +26,12 @@ from typing import Any
 
 import torch
 
+from kvd.dtypes import torch_dtype
 from kvd.postprocess import Backend, BlockRows, block_rows, postprocess_tensors
-from kvd.registry import TORCH_DTYPES
+from kvd.protocol import DTypeName
 
 # The cases the targets name first, then the rest of the space.
-CASES: list[tuple[str, str, int, str]] = [
+CASES: list[tuple[str, str, int, DTypeName]] = [
     ("HND", "NHD", 1, "bfloat16"),
     ("HND", "NHD", 4, "bfloat16"),
     ("HND", "HND", 4, "bfloat16"),
@@ -100,9 +101,11 @@ def vllm_chain(
         raise ValueError(f"vLLM has no post-process for {remote} -> {local}")
 
 
-def run_case(args: argparse.Namespace, remote: str, local: str, ratio: int, dtype_name: str) -> Row:
+def run_case(
+    args: argparse.Namespace, remote: str, local: str, ratio: int, dtype_name: DTypeName
+) -> Row:
     device = torch.device(args.device)
-    dtype = TORCH_DTYPES[dtype_name]
+    dtype = torch_dtype(dtype_name)
     shape_block = (
         (args.block_size, args.heads, args.head_dim)
         if local == "NHD"

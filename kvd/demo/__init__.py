@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvd.demo.cases import CASES, ENGINES
+from kvd.tables import format_table
 
 CHILD_START_TIMEOUT_S = 60.0
 TRANSPORT = "UCX"  # the NIXL backend both sides use (kvd.nixl.agent.DEFAULT_BACKEND)
@@ -303,15 +304,13 @@ def _row(name: str, figures: dict[str, Any]) -> list[str]:
 
 
 def _table(report: dict[str, Any]) -> str:
-    from kvd.cli import _table as render
-
     # The report and each case carry the same figures under the same keys.
     rows = [
         ["case", "requests", "blocks", "verified", "NIXL GB/s", "p50 us", "p99 us", "kvd p50 us"],
         *(_row(c["name"], c) for c in report["cases"]),
         _row("all", report),
     ]
-    lines = render(rows)
+    lines = format_table(rows)
     lines.insert(1, "-" * len(lines[0]))
     lines.insert(len(lines) - 1, "-" * len(lines[0]))
     notes = [

@@ -12,13 +12,7 @@ from typing import Any
 
 import torch
 
-from kvd.geometry import DTYPE_ITEMSIZE
-from kvd.protocol import DTypeName
-from kvd.registry import TORCH_DTYPES
-
 DEFAULT_BACKEND = "UCX"
-
-DTYPE_NAMES: dict[torch.dtype, DTypeName] = {TORCH_DTYPES[name]: name for name in DTYPE_ITEMSIZE}
 
 
 class NixlUnavailable(RuntimeError):

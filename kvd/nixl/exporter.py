@@ -21,10 +21,12 @@ import msgspec
 import torch
 import zmq
 
+from kvd.dtypes import dtype_name
 from kvd.geometry import TensorGeometry, shape_geometry
 from kvd.nixl import agent as nixl_agent
 from kvd.protocol import (
     CacheDescription,
+    DTypeName,
     Error,
     Handshake,
     KVArrangement,
@@ -97,7 +99,7 @@ class Exporter:
             block_size=block_size,
             layout=layout,
             kv_arrangement=kv_arrangement,
-            dtype=nixl_agent.DTYPE_NAMES[self.tensors[0].dtype],
+            dtype=_dtype(self.tensors[0].dtype),
             num_heads=first.num_heads,
             head_dim=first.head_dim,
             tensors=[
@@ -198,16 +200,24 @@ class Exporter:
             self._finished.append(req_id)
 
 
+def _dtype(dtype: torch.dtype) -> DTypeName:
+    name = dtype_name(dtype)
+    if name is None:
+        raise ValueError(f"dtype: {dtype} is not a KV-cache dtype kvd knows")
+    return name
+
+
 def _geometry(
     tensor: torch.Tensor, i: int, layout: Layout, kv_arrangement: KVArrangement, block_size: int
 ) -> TensorGeometry:
-    if tensor.dtype not in nixl_agent.DTYPE_NAMES:
+    dtype = dtype_name(tensor.dtype)
+    if dtype is None:
         raise ValueError(f"tensors[{i}].dtype: {tensor.dtype} is not a KV-cache dtype kvd knows")
     if not tensor.is_contiguous():
         raise ValueError(f"tensors[{i}]: must be contiguous")
     return shape_geometry(
         list(tensor.shape),
-        dtype=nixl_agent.DTYPE_NAMES[tensor.dtype],
+        dtype=dtype,
         layout=layout,
         kv_arrangement=kv_arrangement,
         block_size=block_size,

@@ -26,8 +26,8 @@ import msgspec
 import torch
 import zmq
 
+from kvd.dtypes import ITEMSIZE
 from kvd.geometry import (
-    DTYPE_ITEMSIZE,
     GeometryError,
     TensorGeometry,
     cache_geometry,
@@ -518,7 +518,7 @@ def _ratio(peer: _Peer, cache: _LocalCache) -> int:
             f"{where}: num_heads x head_dim {d.num_heads} x {d.head_dim} differs from "
             f"{g.num_heads} x {g.head_dim}"
         )
-    if DTYPE_ITEMSIZE[d.dtype] != g.itemsize:
+    if ITEMSIZE[d.dtype] != g.itemsize:
         raise MappingError(f"{where}: dtype {d.dtype} has another element size")
     if len(peer.regions) != len(cache.regions):
         raise MappingError(

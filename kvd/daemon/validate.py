@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvd.daemon.ledger import Ledger
+from kvd.daemon.registry import AttachedCache, Registry
 from kvd.geometry import duplicate_ids, out_of_range_ids, preview, resolve_ratio
-from kvd.ledger import Ledger
 from kvd.protocol import PROTOCOL_VERSION, ReadDone, Reason
-from kvd.registry import AttachedCache, Registry
 
 
 @dataclass(frozen=True, slots=True)

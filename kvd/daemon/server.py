@@ -22,28 +22,28 @@ import torch
 import zmq
 
 from kvd import __version__
-from kvd.config import Config
-from kvd.control import Control
-from kvd.executor import CudaExecutor, Executor, Job
-from kvd.kernels import cpu as kernels_cpu
-from kvd.metrics import Metrics
-from kvd.metrics_http import MetricsServer, parse_metrics_addr
-from kvd.pipeline import Pipeline
-from kvd.protocol import Reason
-from kvd.publisher import Publisher
-from kvd.registry import Registry
-from kvd.sdnotify import Every, Notifier
-from kvd.sockets import (
+from kvd.daemon.config import Config
+from kvd.daemon.control import Control
+from kvd.daemon.executor import CudaExecutor, Executor, Job
+from kvd.daemon.metrics import Metrics
+from kvd.daemon.metrics_http import MetricsServer, parse_metrics_addr
+from kvd.daemon.pipeline import Pipeline
+from kvd.daemon.publisher import Publisher
+from kvd.daemon.registry import Registry
+from kvd.daemon.sdnotify import Notifier
+from kvd.daemon.sockets import (
     EndpointError,
-    Endpoints,
     RuntimeLock,
     SocketReader,
     bind,
-    default_runtime_dir,
     normalize_endpoint,
     prepare_runtime_dir,
     write_endpoints,
 )
+from kvd.daemon.timers import Every
+from kvd.endpoints import Endpoints, default_runtime_dir
+from kvd.kernels import cpu as kernels_cpu
+from kvd.protocol import Reason
 
 log = logging.getLogger(__name__)
 

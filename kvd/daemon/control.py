@@ -17,9 +17,10 @@ import msgspec
 import zmq
 
 from kvd import __version__
-from kvd.ledger import State
-from kvd.metrics import Metrics
-from kvd.pipeline import Pipeline
+from kvd.daemon.ledger import State
+from kvd.daemon.metrics import Metrics
+from kvd.daemon.pipeline import Pipeline
+from kvd.daemon.registry import AttachError, Registry
 from kvd.protocol import (
     PROTOCOL_VERSION,
     Attach,
@@ -38,12 +39,11 @@ from kvd.protocol import (
     RequestStatus,
     Status,
 )
-from kvd.registry import AttachError, Registry
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from kvd.config import Config
+    from kvd.daemon.config import Config
 
 log = logging.getLogger(__name__)
 

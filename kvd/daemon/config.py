@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from kvd.metrics_http import parse_metrics_addr
+from kvd.daemon.metrics_http import parse_metrics_addr
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 LogFormat = Literal["auto", "text", "json"]

@@ -16,24 +16,15 @@ from typing import Any
 
 import torch
 
+from kvd.dtypes import torch_dtype
 from kvd.geometry import GeometryError, TensorGeometry, cache_geometry
 from kvd.postprocess import BlockRows, Group, block_rows, plan_groups
 from kvd.protocol import Attach, CudaIpcRef, Reason, ShmRef, TensorSpec
+from kvd.shm import SHM_DIR
 
 log = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
 _SHM_NAME = re.compile(r"^[A-Za-z0-9._-]{1,255}$")
-
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-}
 
 
 class AttachError(Exception):
@@ -160,7 +151,7 @@ class Registry:
             raw = open_shm(memory, geometry.nbytes, where)
         elif isinstance(memory, CudaIpcRef):
             raw = self._open_cuda_ipc(memory, geometry.nbytes, where, mappings)
-        dtype = TORCH_DTYPES[spec.dtype]
+        dtype = torch_dtype(spec.dtype)
         if memory.offset % dtype.itemsize:
             raise AttachError(
                 Reason.INVALID_CACHE,

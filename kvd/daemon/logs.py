@@ -9,7 +9,7 @@ import sys
 import time
 from typing import TextIO
 
-from kvd.config import LogFormat, LogLevel
+from kvd.daemon.config import LogFormat, LogLevel
 
 _TEXT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
 # journald stamps every line itself and maps the <N> prefix to a priority.
@@ -78,3 +78,23 @@ def setup_logging(
     # NIXL and others log through the root logger at INFO; keep them at warnings unless debugging.
     if level != "debug":
         logging.getLogger("nixl").setLevel(logging.WARNING)
+
+
+class RateLimitedLog:
+    """At most one line per key per ``interval`` seconds, with a count of what was held back."""
+
+    def __init__(self, logger: logging.Logger, interval: float = 1.0) -> None:
+        self._logger = logger
+        self._interval = interval
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def warning(self, key: str, fmt: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last.get(key, -self._interval) < self._interval:
+            self._held[key] = self._held.get(key, 0) + 1
+            return
+        held = self._held.pop(key, 0)
+        self._last[key] = now
+        suffix = f" (+{held} similar in the last {self._interval:g}s)" if held else ""
+        self._logger.warning(fmt + suffix, *args)

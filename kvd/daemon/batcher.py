@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvd.ledger import Request
+from kvd.daemon.ledger import Request
 
 BatchKey = tuple[str, int, str]
 """(cache_id, block_size_ratio, remote_layout)."""

@@ -15,15 +15,14 @@ import functools
 import json
 import os
 import re
-from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import zmq
 
-ENDPOINT_NAMES = ("control", "ingest", "events", "replay")
-ENDPOINTS_FILE = "endpoints.json"
+from kvd.endpoints import ENDPOINTS_FILE, Endpoints
+
 LOCK_FILE = "kvd.lock"
 
 # sockaddr_un.sun_path is 108 bytes including the terminating NUL.
@@ -33,29 +32,6 @@ _TCP = re.compile(r"^tcp://(?:(?P<host>\[[^\]]+\]|[^:/\[\]]*):)?(?P<port>\d+|\*)
 
 class EndpointError(ValueError):
     pass
-
-
-@dataclass(frozen=True, slots=True)
-class Endpoints:
-    control: str
-    ingest: str
-    events: str
-    replay: str
-    metrics: str = ""
-    """The URL of the Prometheus endpoint, empty when metrics are off."""
-
-    def as_dict(self) -> dict[str, str]:
-        return {name: value for name, value in asdict(self).items() if value}
-
-
-def default_runtime_dir(gpu: str, environ: Mapping[str, str] | None = None) -> Path:
-    env = os.environ if environ is None else environ
-    # systemd may list several directories separated by ':'; ours is the first.
-    if env.get("RUNTIME_DIRECTORY"):
-        return Path(env["RUNTIME_DIRECTORY"].split(":")[0])
-    if env.get("XDG_RUNTIME_DIR"):
-        return Path(env["XDG_RUNTIME_DIR"]) / "kvd" / gpu
-    return Path(f"/tmp/kvd-{os.getuid()}") / gpu
 
 
 def normalize_endpoint(spec: str, runtime_dir: Path, name: str) -> str:
@@ -125,19 +101,6 @@ def write_endpoints(runtime_dir: Path, endpoints: Endpoints) -> Path:
     tmp.write_text(json.dumps(endpoints.as_dict(), indent=2) + "\n")
     tmp.replace(target)
     return target
-
-
-def read_endpoints(runtime_dir: str | Path) -> Endpoints:
-    """The endpoints a daemon serving ``runtime_dir`` bound (falls back to the ipc defaults)."""
-    runtime_dir = Path(runtime_dir)
-    try:
-        data = json.loads((runtime_dir / ENDPOINTS_FILE).read_text())
-        bound = {name: str(data[name]) for name in ENDPOINT_NAMES}
-        return Endpoints(**bound, metrics=str(data.get("metrics", "")))
-    except (OSError, KeyError, TypeError, ValueError):
-        return Endpoints(
-            **{name: f"ipc://{runtime_dir / f'{name}.sock'}" for name in ENDPOINT_NAMES}
-        )
 
 
 def bind(sock: zmq.Socket[bytes], endpoint: str, name: str) -> str:

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from kvd.daemon.sockets import raw_send
 from kvd.protocol import END_SEQ, Event, Reason, Replay, ReplayEnd, encode_seq
-from kvd.sockets import raw_send
 
 log = logging.getLogger(__name__)
 

@@ -9,11 +9,10 @@ it also passes ``WATCHDOG_USEC`` (and ``WATCHDOG_PID``, the process meant to pin
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import socket
-from collections.abc import Callable, MutableMapping
+from collections.abc import MutableMapping
 
 log = logging.getLogger(__name__)
 
@@ -102,31 +101,6 @@ class Notifier:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-
-
-class Every:
-    """Calls ``callback`` every ``interval_s`` seconds from the event loop.
-
-    A chain of ``call_later``: each run schedules the next, so a loop that stops running stops
-    calling, which is the point for watchdog pings.
-    """
-
-    def __init__(
-        self, loop: asyncio.AbstractEventLoop, interval_s: float, callback: Callable[[], object]
-    ) -> None:
-        self._loop = loop
-        self._interval = interval_s
-        self._callback = callback
-        self._handle: asyncio.TimerHandle | None = loop.call_later(interval_s, self._run)
-
-    def _run(self) -> None:
-        self._handle = self._loop.call_later(self._interval, self._run)
-        self._callback()
-
-    def cancel(self) -> None:
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
 
 
 def _one_line(text: str) -> str:

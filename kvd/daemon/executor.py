@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvd.batcher import Batch
+from kvd.daemon.batcher import Batch
 from kvd.postprocess import Group
 
 log = logging.getLogger(__name__)

@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections.abc import Callable
 
 import msgspec
 
-from kvd.batcher import Batch, Batcher
-from kvd.executor import Executor, Job, WorkItem
-from kvd.ledger import Ledger, Request, State
-from kvd.metrics import Metrics
+from kvd.daemon.batcher import Batch, Batcher
+from kvd.daemon.executor import Executor, Job, WorkItem
+from kvd.daemon.ledger import Ledger, Request, State
+from kvd.daemon.logs import RateLimitedLog
+from kvd.daemon.metrics import Metrics
+from kvd.daemon.publisher import Publisher
+from kvd.daemon.registry import Registry
+from kvd.daemon.timers import WindowTimer
+from kvd.daemon.validate import Rejection, validate_read_done
 from kvd.protocol import (
     Failed,
     IngestMessage,
@@ -29,9 +33,6 @@ from kvd.protocol import (
     Reason,
     decode_header,
 )
-from kvd.publisher import Publisher
-from kvd.registry import Registry
-from kvd.validate import Rejection, validate_read_done
 
 log = logging.getLogger(__name__)
 
@@ -318,65 +319,3 @@ class Pipeline:
     def close(self, timeout: float | None = None) -> bool:
         self._timer.close()
         return self.executor.close(timeout)
-
-
-class WindowTimer:
-    """Calls ``callback`` on the loop at a monotonic deadline, with sub-millisecond precision.
-
-    asyncio and uvloop timers round to whole milliseconds, far coarser than a batching window of
-    tens of microseconds, so a helper thread waits for the deadline and wakes the loop.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:
-        self._loop = loop
-        self._callback = callback
-        self._cond = threading.Condition()
-        self._deadline_ns: int | None = None
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="kvd-window", daemon=True)
-        self._thread.start()
-
-    def arm(self, deadline_ns: int) -> None:
-        with self._cond:
-            if self._deadline_ns is None or deadline_ns < self._deadline_ns:
-                self._deadline_ns = deadline_ns
-                self._cond.notify()
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-        self._thread.join()
-
-    def _run(self) -> None:
-        with self._cond:
-            while not self._closed:
-                if self._deadline_ns is None:
-                    self._cond.wait()
-                    continue
-                remaining = self._deadline_ns - time.monotonic_ns()
-                if remaining > 0:
-                    self._cond.wait(remaining / 1e9)
-                    continue
-                self._deadline_ns = None
-                self._loop.call_soon_threadsafe(self._callback)
-
-
-class RateLimitedLog:
-    """At most one line per key per ``interval`` seconds, with a count of what was held back."""
-
-    def __init__(self, logger: logging.Logger, interval: float = 1.0) -> None:
-        self._logger = logger
-        self._interval = interval
-        self._last: dict[str, float] = {}
-        self._held: dict[str, int] = {}
-
-    def warning(self, key: str, fmt: str, *args: object) -> None:
-        now = time.monotonic()
-        if now - self._last.get(key, -self._interval) < self._interval:
-            self._held[key] = self._held.get(key, 0) + 1
-            return
-        held = self._held.pop(key, 0)
-        self._last[key] = now
-        suffix = f" (+{held} similar in the last {self._interval:g}s)" if held else ""
-        self._logger.warning(fmt + suffix, *args)
