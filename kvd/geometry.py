@@ -63,6 +63,8 @@ def tensor_geometry(spec: TensorSpec, where: str = "tensor") -> TensorGeometry:
 
     Raises ``GeometryError`` naming ``where`` and the field at fault.
     """
+    if spec.layout is None or spec.kv_arrangement is None:
+        raise GeometryError(f"{where}: give layout and kv_arrangement")
     return shape_geometry(
         spec.shape,
         dtype=spec.dtype,

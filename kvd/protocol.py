@@ -49,6 +49,51 @@ DTypeName = Literal[
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
+REQ_ID_MAX = 512
+CACHE_ID_MAX = 128
+CacheId = Annotated[
+    str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@+-]*$", max_length=CACHE_ID_MAX)
+]
+"""A cache id: starts with a letter or digit, then letters, digits and ``._:@+-``.
+
+It is the events topic of the cache; ``UNATTACHED_TOPIC`` cannot be the prefix of any."""
+ReqId = Annotated[str, msgspec.Meta(min_length=1, max_length=REQ_ID_MAX)]
+
+UNATTACHED_TOPIC: Final = "*"
+"""Events topic of rejections whose cache is not attached (a typo, a detached cache): every
+``kvd.client`` subscription listens to it, so such a request never hangs unanswered."""
+
+Axis = Literal["L", "H", "N", "C"]
+"""A logical axis of a page: L layer, H KV head, N token, C element of a head (head_dim)."""
+
+
+class PageFormat(msgspec.Struct, frozen=True, omit_defaults=True, gc=False, kw_only=True):
+    """Where element (layer, K or V, head, token, channel) of one block sits: a page format.
+
+    A *page* is the bytes of one block in one region of a tensor. Outermost first, a page holds
+    the ``outer`` axes, then its K part with axes in ``k`` order, then its V part in ``v`` order
+    (K and V may order their axes differently). With ``v`` empty a page holds one part only: a
+    K-only or V-only tensor, or an MLA latent (no H axis).
+
+    ``regions`` names an axis that sits outside the block axis, making the tensor
+    ``[R, num_blocks, *page]``: ``"kv"`` (R = 2: every K page, then every V page; each page
+    holds one part, the V region ordered by ``v`` when given, else by ``k``) or ``"head"``
+    (R = num_heads: each head's pages apart). A format with an L axis is cross-layer: one page
+    holds every layer of the block.
+
+    Named presets (``kvd.layout.formats.PRESETS``) stand for the common formats wherever a
+    format is expected.
+    """
+
+    k: tuple[Axis, ...]
+    v: tuple[Axis, ...] = ()
+    outer: tuple[Axis, ...] = ()
+    regions: Literal["", "kv", "head"] = ""
+
+
+FormatRef = PageFormat | str
+"""A page format, or the name of a preset."""
+
 
 class Reason(enum.StrEnum):
     """Reason codes carried by ``Failed`` events and ``Error`` replies.
@@ -109,19 +154,26 @@ MemoryRef = ShmRef | CudaIpcRef
 
 
 class TensorSpec(msgspec.Struct, omit_defaults=True, gc=False, kw_only=True):
-    """One physical KV-cache tensor of an attached cache (one layer, or one K or V part).
+    """One physical KV-cache tensor of an attached cache (one layer, or every layer).
 
-    The tensor must be contiguous in ``shape``, which is the *physical* shape (see
-    ``KVArrangement`` and ``Layout``).
+    The tensor must be contiguous in ``shape``, its physical shape. Its page format is
+    ``page_format`` when given: then ``shape`` is ``[num_blocks, ...]`` (``[R, num_blocks,
+    ...]`` with regions) and ``num_heads``, ``head_dim`` (and ``num_layers`` for a cross-layer
+    format) give the sizes of the logical axes. Without it, ``layout`` and ``kv_arrangement``
+    name the format and the sizes are read from ``shape`` (see ``KVArrangement``).
     """
 
     name: str
     shape: list[int]
     dtype: DTypeName
-    layout: Layout
-    kv_arrangement: KVArrangement
+    layout: Layout | None = None
+    kv_arrangement: KVArrangement | None = None
     block_size: int
     memory: MemoryRef
+    page_format: FormatRef | None = None
+    num_heads: NonNegative = 0
+    head_dim: NonNegative = 0
+    num_layers: NonNegative = 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,31 +275,44 @@ ControlReply = Attached | Detached | RequestStatus | DaemonStatus | Pong | Error
 # Ingest socket (PULL; clients PUSH): one-way notifications from the engine worker.
 
 
-class ReadDone(_Message, tag="read_done"):
+class ReadDone(_Message, tag="read_done", kw_only=True):
     """The NIXL READs of one request have finished; its blocks need the post-process.
 
-    Give either ``block_size_ratio`` (decode block size / prefill block size) or
-    ``remote_block_size``; 0 means "not given". ``physical_block_ids`` are local block ids, in
-    request order; kvd rewrites exactly these blocks and no other.
+    A notification is identified by (``cache_id``, ``req_id``, ``generation``): kvd rewrites
+    the blocks of one notification at most once, and answers a repeated one with the outcome
+    it recorded. The engine bumps ``generation`` when it has read the blocks again.
+
+    The remote (prefill) page format is ``remote_format``, or, for older clients,
+    ``remote_layout``: the local format with the remote's NHD/HND order. Give either
+    ``block_size_ratio`` (decode block size / prefill block size, for a remote block no larger
+    than the local one) or ``remote_block_size`` (any size that divides or is a multiple of the
+    local one); 0 means "not given". ``physical_block_ids`` are local block ids, in request
+    order; kvd rewrites exactly these blocks and no other. ``covered_sub_blocks``, when not 0,
+    is how many remote blocks the READ put into the last local block; the rest of that block
+    is zeroed.
     """
 
-    req_id: str
+    req_id: ReqId
     cache_id: str
-    remote_layout: Layout
+    remote_layout: Layout | None = None
     physical_block_ids: list[int]
-    block_size_ratio: int = 0
-    remote_block_size: int = 0
+    block_size_ratio: NonNegative = 0
+    remote_block_size: NonNegative = 0
     remote_engine_id: str = ""
+    remote_format: FormatRef | None = None
+    covered_sub_blocks: NonNegative = 0
+    generation: NonNegative = 0
 
 
 class ReadFailed(_Message, tag="read_failed"):
     """The READs of one request failed; kvd forwards this as a ``Failed`` event."""
 
-    req_id: str
+    req_id: ReqId
     cache_id: str
     physical_block_ids: list[int] = []
     reason: str = ""
     remote_engine_id: str = ""
+    generation: NonNegative = 0
 
 
 IngestMessage = ReadDone | ReadFailed
@@ -265,6 +330,8 @@ class Ready(_Message, tag="ready"):
     physical_block_ids: list[int]
     remote_engine_id: str = ""
     elapsed_us: int = 0
+    generation: int = 0
+    epoch: int = 0
 
 
 class Failed(_Message, tag="failed"):
@@ -281,6 +348,8 @@ class Failed(_Message, tag="failed"):
     message: str
     invalid_block_ids: list[int] = []
     remote_engine_id: str = ""
+    generation: int = 0
+    epoch: int = 0
 
 
 Event = Ready | Failed

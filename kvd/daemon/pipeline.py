@@ -112,6 +112,9 @@ class Pipeline:
             self._reject(msg, result.code, result.message)
             return
         cache, ratio = result
+        if msg.remote_layout is None:
+            self._reject(msg, Reason.INVALID_LAYOUT, "remote_layout: must be given")
+            return
         if not msg.physical_block_ids or not cache.needs_work(ratio, msg.remote_layout):
             self._answer_at_once(msg, received_ns)
             return

@@ -175,7 +175,7 @@ class Reader:
         ]
         self._caches[cache_id] = _LocalCache(
             cache_id=cache_id,
-            layout=specs[0].layout,
+            layout=specs[0].layout or "NHD",
             geometry=first,
             regions=regions,
             registered=registered,
