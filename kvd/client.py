@@ -27,6 +27,7 @@ from kvd.protocol import (
     Detach,
     Detached,
     Error,
+    FormatRef,
     Layout,
     Ping,
     Pong,
@@ -89,20 +90,26 @@ def read_done_message(
     cache_id: str,
     block_ids: Sequence[int],
     *,
-    remote_layout: Layout,
+    remote_layout: Layout | None = None,
+    remote_format: FormatRef | None = None,
     block_size_ratio: int = 0,
     remote_block_size: int = 0,
     remote_engine_id: str = "",
+    covered_sub_blocks: int = 0,
+    generation: int = 0,
 ) -> bytes:
     return _ENCODER.encode(
         ReadDone(
             req_id=req_id,
             cache_id=cache_id,
             remote_layout=remote_layout,
+            remote_format=remote_format,
             physical_block_ids=list(block_ids),
             block_size_ratio=block_size_ratio,
             remote_block_size=remote_block_size,
             remote_engine_id=remote_engine_id,
+            covered_sub_blocks=covered_sub_blocks,
+            generation=generation,
         )
     )
 
@@ -113,6 +120,8 @@ def read_failed_message(
     block_ids: Sequence[int],
     reason: str = "",
     remote_engine_id: str = "",
+    *,
+    generation: int = 0,
 ) -> bytes:
     return _ENCODER.encode(
         ReadFailed(
@@ -121,8 +130,29 @@ def read_failed_message(
             physical_block_ids=list(block_ids),
             reason=reason,
             remote_engine_id=remote_engine_id,
+            generation=generation,
         )
     )
+
+
+class _KnownCaches:
+    """Cache ids a client may notify about: those it attached, and those kvd says are attached.
+
+    A notification for any other id would be refused by kvd; checking first turns a typo into
+    an exception at the call instead of a request that waits for an event.
+    """
+
+    def __init__(self) -> None:
+        self.ids: set[str] = set()
+
+    def check(self, cache_id: str, status: DaemonStatus | None) -> None:
+        if status is not None:
+            self.ids.update(c.cache_id for c in status.caches)
+        if cache_id not in self.ids:
+            attached = ", ".join(sorted(self.ids)) or "none"
+            raise KvdError(
+                "unknown_cache", f"cache_id: {cache_id!r} is not attached (attached: {attached})"
+            )
 
 
 class Client:
@@ -141,6 +171,7 @@ class Client:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._control: zmq.Socket[bytes] | None = None
         self._push: zmq.Socket[bytes] | None = None
+        self._caches = _KnownCaches()
 
     # -- control --------------------------------------------------------------------------------
 
@@ -148,22 +179,29 @@ class Client:
         result: Pong = _unwrap(self._call(Ping()), Pong)
         return result
 
-    def attach(self, cache_id: str, tensors: Sequence[TensorSpec]) -> Attached:
-        result: Attached = _unwrap(
-            self._call(Attach(cache_id=cache_id, tensors=list(tensors))), Attached
-        )
+    def attach(
+        self, cache_id: str, tensors: Sequence[TensorSpec], *, engine_id: str = ""
+    ) -> Attached:
+        request = Attach(cache_id=cache_id, tensors=list(tensors), engine_id=engine_id)
+        result: Attached = _unwrap(self._call(request), Attached)
+        self._caches.ids.add(cache_id)
         return result
 
-    def detach(self, cache_id: str) -> Detached:
-        result: Detached = _unwrap(self._call(Detach(cache_id=cache_id)), Detached)
+    def detach(self, cache_id: str, *, engine_id: str = "", force: bool = False) -> Detached:
+        """Detach a cache this client (or ``engine_id``) attached; ``force`` is for operators
+        running as kvd's user."""
+        request = Detach(cache_id=cache_id, engine_id=engine_id, force=force)
+        result: Detached = _unwrap(self._call(request), Detached)
+        self._caches.ids.discard(cache_id)
         return result
 
     def status(self) -> DaemonStatus:
         result: DaemonStatus = _unwrap(self._call(Status()), DaemonStatus)
         return result
 
-    def request_status(self, req_id: str) -> RequestStatus:
-        result: RequestStatus = _unwrap(self._call(Status(req_id=req_id)), RequestStatus)
+    def request_status(self, req_id: str, cache_id: str = "") -> RequestStatus:
+        reply = self._call(Status(req_id=req_id, cache_id=cache_id))
+        result: RequestStatus = _unwrap(reply, RequestStatus)
         return result
 
     def _call(self, request: ControlRequest) -> ControlReply:
@@ -193,21 +231,34 @@ class Client:
         cache_id: str,
         block_ids: Sequence[int],
         *,
-        remote_layout: Layout,
+        remote_layout: Layout | None = None,
+        remote_format: FormatRef | None = None,
         block_size_ratio: int = 0,
         remote_block_size: int = 0,
         remote_engine_id: str = "",
+        covered_sub_blocks: int = 0,
+        generation: int = 0,
     ) -> None:
-        """Tell kvd the READs of ``req_id`` landed in ``block_ids``; the answer is an event."""
+        """Tell kvd the READs of ``req_id`` landed in ``block_ids``; the answer is an event.
+
+        Raises ``KvdError("unknown_cache")`` at once when ``cache_id`` is not attached. Sending
+        the same (cache_id, req_id, generation) again is safe: kvd answers it with the outcome
+        of the first and touches nothing.
+        """
+        if cache_id not in self._caches.ids:
+            self._caches.check(cache_id, self.status())
         self.send_raw(
             read_done_message(
                 req_id,
                 cache_id,
                 block_ids,
                 remote_layout=remote_layout,
+                remote_format=remote_format,
                 block_size_ratio=block_size_ratio,
                 remote_block_size=remote_block_size,
                 remote_engine_id=remote_engine_id,
+                covered_sub_blocks=covered_sub_blocks,
+                generation=generation,
             )
         )
 
@@ -218,8 +269,14 @@ class Client:
         block_ids: Sequence[int],
         reason: str = "",
         remote_engine_id: str = "",
+        *,
+        generation: int = 0,
     ) -> None:
-        self.send_raw(read_failed_message(req_id, cache_id, block_ids, reason, remote_engine_id))
+        self.send_raw(
+            read_failed_message(
+                req_id, cache_id, block_ids, reason, remote_engine_id, generation=generation
+            )
+        )
 
     def send_raw(self, frame: bytes) -> None:
         """Send one already-encoded frame on the ingest socket (tests and tools)."""
@@ -271,26 +328,35 @@ class AsyncClient:
         self._ctx = zmq.asyncio.Context()
         self._control: zmq.asyncio.Socket | None = None
         self._push: zmq.asyncio.Socket | None = None
+        self._caches = _KnownCaches()
 
     async def ping(self) -> Pong:
         result: Pong = _unwrap(await self._call(Ping()), Pong)
         return result
 
-    async def attach(self, cache_id: str, tensors: Sequence[TensorSpec]) -> Attached:
-        reply = await self._call(Attach(cache_id=cache_id, tensors=list(tensors)))
+    async def attach(
+        self, cache_id: str, tensors: Sequence[TensorSpec], *, engine_id: str = ""
+    ) -> Attached:
+        reply = await self._call(
+            Attach(cache_id=cache_id, tensors=list(tensors), engine_id=engine_id)
+        )
         result: Attached = _unwrap(reply, Attached)
+        self._caches.ids.add(cache_id)
         return result
 
-    async def detach(self, cache_id: str) -> Detached:
-        result: Detached = _unwrap(await self._call(Detach(cache_id=cache_id)), Detached)
+    async def detach(self, cache_id: str, *, engine_id: str = "", force: bool = False) -> Detached:
+        reply = await self._call(Detach(cache_id=cache_id, engine_id=engine_id, force=force))
+        result: Detached = _unwrap(reply, Detached)
+        self._caches.ids.discard(cache_id)
         return result
 
     async def status(self) -> DaemonStatus:
         result: DaemonStatus = _unwrap(await self._call(Status()), DaemonStatus)
         return result
 
-    async def request_status(self, req_id: str) -> RequestStatus:
-        result: RequestStatus = _unwrap(await self._call(Status(req_id=req_id)), RequestStatus)
+    async def request_status(self, req_id: str, cache_id: str = "") -> RequestStatus:
+        reply = await self._call(Status(req_id=req_id, cache_id=cache_id))
+        result: RequestStatus = _unwrap(reply, RequestStatus)
         return result
 
     async def _call(self, request: ControlRequest) -> ControlReply:
@@ -313,20 +379,29 @@ class AsyncClient:
         cache_id: str,
         block_ids: Sequence[int],
         *,
-        remote_layout: Layout,
+        remote_layout: Layout | None = None,
+        remote_format: FormatRef | None = None,
         block_size_ratio: int = 0,
         remote_block_size: int = 0,
         remote_engine_id: str = "",
+        covered_sub_blocks: int = 0,
+        generation: int = 0,
     ) -> None:
+        """As ``Client.read_done``."""
+        if cache_id not in self._caches.ids:
+            self._caches.check(cache_id, await self.status())
         await self.send_raw(
             read_done_message(
                 req_id,
                 cache_id,
                 block_ids,
                 remote_layout=remote_layout,
+                remote_format=remote_format,
                 block_size_ratio=block_size_ratio,
                 remote_block_size=remote_block_size,
                 remote_engine_id=remote_engine_id,
+                covered_sub_blocks=covered_sub_blocks,
+                generation=generation,
             )
         )
 
@@ -337,9 +412,13 @@ class AsyncClient:
         block_ids: Sequence[int],
         reason: str = "",
         remote_engine_id: str = "",
+        *,
+        generation: int = 0,
     ) -> None:
         await self.send_raw(
-            read_failed_message(req_id, cache_id, block_ids, reason, remote_engine_id)
+            read_failed_message(
+                req_id, cache_id, block_ids, reason, remote_engine_id, generation=generation
+            )
         )
 
     async def send_raw(self, frame: bytes) -> None:

@@ -57,6 +57,8 @@ CacheId = Annotated[
 """A cache id: starts with a letter or digit, then letters, digits and ``._:@+-``.
 
 It is the events topic of the cache; ``UNATTACHED_TOPIC`` cannot be the prefix of any."""
+CacheIdRef = Annotated[str, msgspec.Meta(max_length=CACHE_ID_MAX)]
+"""A cache id in a notification: only its length is checked there (the registry knows the rest)."""
 ReqId = Annotated[str, msgspec.Meta(min_length=1, max_length=REQ_ID_MAX)]
 
 UNATTACHED_TOPIC: Final = "*"
@@ -119,6 +121,11 @@ class Reason(enum.StrEnum):
     INVALID_CACHE = "invalid_cache"
     MEMORY_UNAVAILABLE = "memory_unavailable"
     CACHE_BUSY = "cache_busy"
+    NOT_OWNER = "not_owner"
+    INTERRUPTED = "interrupted"
+    STALE_GENERATION = "stale_generation"
+    GENERATION_IN_FLIGHT = "generation_in_flight"
+    INVALID_FORMAT = "invalid_format"
     INTERNAL = "internal"
 
 
@@ -181,22 +188,34 @@ class TensorSpec(msgspec.Struct, omit_defaults=True, gc=False, kw_only=True):
 
 
 class Attach(_Message, tag="attach"):
-    """Make a KV cache known to kvd. Every tensor must have the same num_blocks and block_size."""
+    """Make a KV cache known to kvd. Every tensor must have the same num_blocks and block_size.
 
-    cache_id: str
+    ``engine_id`` names the engine that owns the cache: it, or the connection that attached,
+    may detach it.
+    """
+
+    cache_id: CacheId
     tensors: list[TensorSpec]
+    engine_id: str = ""
 
 
 class Detach(_Message, tag="detach"):
-    """Forget a cache. Refused with ``cache_busy`` while any of its requests is in flight."""
+    """Forget a cache. Refused with ``cache_busy`` while any of its requests is in flight, and
+    with ``not_owner`` unless it comes from the connection that attached the cache, names the
+    same non-empty ``engine_id``, or is an operator's ``force`` from kvd's own user (or root)
+    over an ipc socket."""
 
     cache_id: str
+    engine_id: str = ""
+    force: bool = False
 
 
 class Status(_Message, tag="status"):
-    """One request's state when ``req_id`` is given, else the daemon's status."""
+    """One request's state when ``req_id`` is given (of ``cache_id`` when given, else the first
+    cache that knows it), else the daemon's status."""
 
     req_id: str | None = None
+    cache_id: str = ""
 
 
 class Ping(_Message, tag="ping"):
@@ -293,7 +312,7 @@ class ReadDone(_Message, tag="read_done", kw_only=True):
     """
 
     req_id: ReqId
-    cache_id: str
+    cache_id: CacheIdRef
     remote_layout: Layout | None = None
     physical_block_ids: list[int]
     block_size_ratio: NonNegative = 0
@@ -308,7 +327,7 @@ class ReadFailed(_Message, tag="read_failed"):
     """The READs of one request failed; kvd forwards this as a ``Failed`` event."""
 
     req_id: ReqId
-    cache_id: str
+    cache_id: CacheIdRef
     physical_block_ids: list[int] = []
     reason: str = ""
     remote_engine_id: str = ""
@@ -440,29 +459,131 @@ class MessageHeader(msgspec.Struct, gc=False):
     type: str = ""
     req_id: str = ""
     cache_id: str = ""
-    physical_block_ids: list[int] = []
     remote_engine_id: str = ""
+    generation: int = 0
 
 
-def decode_header(frame: bytes) -> MessageHeader | None:
-    """Best-effort read of the routing fields of a frame that failed full decoding."""
+_HEADER_FIELDS = {f: f for f in ("type", "req_id", "cache_id", "remote_engine_id", "generation")}
+_HEADER_STR_MAX = {
+    "type": 64,
+    "req_id": REQ_ID_MAX,
+    "cache_id": CACHE_ID_MAX,
+    "remote_engine_id": REQ_ID_MAX,
+}
+HEADER_SCAN_BYTES: Final = 64 * 1024
+
+
+def decode_header(frame: bytes, limit: int = HEADER_SCAN_BYTES) -> MessageHeader | None:
+    """Best-effort read of the routing fields of a frame that failed full decoding.
+
+    Reads only the top-level map, without recursion, and gives up after ``limit`` bytes, so
+    neither a deeply nested nor an oversized frame can make it expensive; None when the frame
+    is not a map. Fields that cannot be read keep their defaults.
+    """
+    reader = _Scanner(frame, min(len(frame), limit))
     try:
-        return msgspec.msgpack.decode(frame, type=MessageHeader)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        pass
-    try:
-        # The block ids may be what is wrong; keep the routing fields anyway.
-        raw = msgspec.msgpack.decode(frame)
-    except msgspec.DecodeError:
-        return None
-    if not isinstance(raw, dict):
+        entries = reader.map_header()
+    except _Stop:
         return None
     header = MessageHeader()
-    for field in ("type", "req_id", "cache_id", "remote_engine_id"):
-        value = raw.get(field)
-        if isinstance(value, str):
-            setattr(header, field, value)
+    try:
+        for _ in range(entries):
+            key = reader.scalar()
+            if isinstance(key, str) and key in _HEADER_FIELDS:
+                value = reader.scalar()
+                want = int if key == "generation" else str
+                if isinstance(value, want) and not isinstance(value, bool):
+                    if isinstance(value, str) and len(value) > _HEADER_STR_MAX[key]:
+                        continue  # not a valid id: answering it would only echo it back
+                    setattr(header, key, value)
+            else:
+                reader.skip()
+    except _Stop:
+        pass
     return header
+
+
+class _Stop(Exception):
+    """The scan ran out of bytes (or of budget) or met something it does not read."""
+
+
+class _Scanner:
+    """A minimal MessagePack reader: map headers, scalars, and an iterative skip."""
+
+    def __init__(self, data: bytes, end: int) -> None:
+        self.data, self.pos, self.end = data, 0, end
+
+    def _take(self, n: int) -> bytes:
+        if self.pos + n > self.end:
+            raise _Stop
+        chunk = self.data[self.pos : self.pos + n]
+        self.pos += n
+        return chunk
+
+    def _uint(self, n: int) -> int:
+        return int.from_bytes(self._take(n), "big")
+
+    def map_header(self) -> int:
+        b = self._take(1)[0]
+        if 0x80 <= b <= 0x8F:
+            return b & 0x0F
+        if b == 0xDE:
+            return self._uint(2)
+        if b == 0xDF:
+            return self._uint(4)
+        raise _Stop
+
+    def scalar(self) -> object:
+        """A str or int (anything else is skipped and read as None)."""
+        b = self.data[self.pos] if self.pos < self.end else None
+        if b is None:
+            raise _Stop
+        if b <= 0x7F:
+            self.pos += 1
+            return b
+        if b >= 0xE0:
+            self.pos += 1
+            return b - 0x100
+        if 0xA0 <= b <= 0xBF or b in (0xD9, 0xDA, 0xDB):
+            self.pos += 1
+            n = b & 0x1F if b <= 0xBF else self._uint(1 << (b - 0xD9))
+            return self._take(n).decode("utf-8", "replace")
+        if 0xCC <= b <= 0xCF or 0xD0 <= b <= 0xD3:
+            self.pos += 1
+            size = 1 << ((b - 0xCC) if b <= 0xCF else (b - 0xD0))
+            return int.from_bytes(self._take(size), "big", signed=b >= 0xD0)
+        self.skip()
+        return None
+
+    def skip(self) -> None:
+        """Skip one value, nested containers included, with a counter instead of recursion."""
+        pending = 1
+        while pending:
+            pending -= 1
+            b = self._take(1)[0]
+            if b <= 0x7F or b >= 0xE0 or b in (0xC0, 0xC2, 0xC3):
+                continue
+            if 0x80 <= b <= 0x8F:
+                pending += 2 * (b & 0x0F)
+            elif 0x90 <= b <= 0x9F:
+                pending += b & 0x0F
+            elif 0xA0 <= b <= 0xBF:
+                self._take(b & 0x1F)
+            elif b in (0xDC, 0xDD):
+                pending += self._uint(2 if b == 0xDC else 4)
+            elif b in (0xDE, 0xDF):
+                pending += 2 * self._uint(2 if b == 0xDE else 4)
+            elif b in (0xC4, 0xC5, 0xC6, 0xD9, 0xDA, 0xDB):
+                size = {0xC4: 1, 0xC5: 2, 0xC6: 4, 0xD9: 1, 0xDA: 2, 0xDB: 4}[b]
+                self._take(self._uint(size))
+            elif b in (0xC7, 0xC8, 0xC9):
+                self._take(self._uint({0xC7: 1, 0xC8: 2, 0xC9: 4}[b]) + 1)
+            elif 0xCA <= b <= 0xD3:
+                self._take({0xCA: 4, 0xCB: 8}.get(b, 1 << ((b - 0xCC) % 4)))
+            elif 0xD4 <= b <= 0xD8:
+                self._take(1 + (1 << (b - 0xD4)))
+            else:
+                raise _Stop
 
 
 def encode_seq(seq: int) -> bytes:

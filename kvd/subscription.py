@@ -7,10 +7,15 @@ lost *last* event is revealed by no later event, a subscription that hears nothi
 ``resync_interval`` seconds also asks the replay socket whether anything newer exists; the same
 check catches a connection that was still being set up when an event went out.
 
-A subscription to explicit topics delivers every event published after it was created (or from
-``from_seq``). Only when kvd's replay buffer no longer holds missing events, or kvd restarted and
-took unpublished events with it, is ``EventsLost`` raised, once, after every event that survived
-has been queued; iteration may continue after it.
+A subscription delivers every event published after it was created (or from ``from_seq``), and
+also every event of ``UNATTACHED_TOPIC``: refusals of notifications whose cache is not attached
+(a typo, a cache detached meanwhile), so such a request is answered where its engine listens.
+
+Every subscription knows the daemon's epoch (asked at creation; every event carries it), so a
+restarted kvd is noticed on its first event, whatever its sequence numbers. Only when kvd's
+replay buffer no longer holds missing events, or kvd restarted, is ``EventsLost`` raised, once,
+after every event that survived has been queued; iteration may continue after it, with the new
+daemon's events of every known topic replayed from its first.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import zmq
 import zmq.asyncio
 
 from kvd.endpoints import Endpoints
-from kvd.protocol import END_SEQ, Event, Replay, ReplayEnd, decode_seq
+from kvd.protocol import END_SEQ, UNATTACHED_TOPIC, Event, Replay, ReplayEnd, decode_seq
 
 _ENCODER = msgspec.msgpack.Encoder()
 _EVENT_DECODER = msgspec.msgpack.Decoder(Event)
@@ -84,15 +89,23 @@ class _Ordering:
         # Topics whose latest duplicate was already checked against a replay (see live()).
         self.checked: set[str] = set()
         self.ready: deque[Delivery] = deque()
-        self.pending: deque[_Gap] = deque(_Gap(t, from_seq) for t in topics)
+        # The refusals topic is learnt first: its answer tells the daemon's epoch.
+        self.pending: deque[_Gap] = deque([_Gap(UNATTACHED_TOPIC, None)])
+        self.pending.extend(_Gap(t, from_seq) for t in topics if t != UNATTACHED_TOPIC)
         self.epoch: int | None = None
 
     def live(self, topic_b: bytes, seq_b: bytes, payload: bytes) -> _Gap | None:
-        """Take one live event; returns the replay to do first when it needs one."""
+        """Take one live event; returns the replay to do first when it needs one.
+
+        Raises ``EventsLost`` when the event comes from a restarted kvd.
+        """
         topic = topic_b.decode()
-        if self.topics and topic not in self.topics:
+        if self.topics and topic not in self.topics and topic != UNATTACHED_TOPIC:
             return None  # a longer topic that shares the prefix we subscribed to
         seq = decode_seq(seq_b)
+        epoch = _EVENT_DECODER.decode(payload).epoch
+        if epoch and self.epoch is not None and epoch != self.epoch:
+            self._restarted(topic, epoch)
         expected = self.expected.setdefault(topic, seq)
         if seq < expected:
             # Usually the live copy of an event a replay already delivered. But after a kvd
@@ -120,12 +133,7 @@ class _Ordering:
         if self.epoch is None:
             self.epoch = end.epoch
         elif end.epoch != self.epoch:
-            self.epoch = end.epoch
-            first = self.expected.get(topic, 1)
-            for t in self.expected:
-                self.expected[t] = 1
-                self.pending.append(_Gap(t, 1))
-            raise EventsLost(topic, first, -1, restarted=True)
+            self._restarted(topic, end.epoch)
         if gap.from_seq is None:
             self.expected.setdefault(topic, end.newest_seq + 1)
             return
@@ -138,6 +146,18 @@ class _Ordering:
         if end.oldest_seq > gap.from_seq:
             raise EventsLost(topic, gap.from_seq, end.oldest_seq - 1)
 
+    def _restarted(self, topic: str, epoch: int) -> None:
+        """A new daemon: replay every known topic from its first event, then say so."""
+        self.epoch = epoch
+        first = self.expected.get(topic, 1)
+        self.expected.setdefault(topic, 1)
+        self.checked.clear()
+        self.pending.clear()
+        for t in self.expected:
+            self.expected[t] = 1
+            self.pending.append(_Gap(t, 1))
+        raise EventsLost(topic, first, -1, restarted=True)
+
     def _deliver(self, topic: str, seq: int, payload: bytes) -> None:
         self.expected[topic] = seq + 1
         self.checked.discard(topic)
@@ -147,7 +167,7 @@ class _Ordering:
 def _configure_sub(sock: zmq.Socket[Any], endpoints: Endpoints, topics: list[str]) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
-    for topic in topics or [""]:
+    for topic in [*topics, UNATTACHED_TOPIC] if topics else [""]:
         sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
     sock.connect(endpoints.events)
 
@@ -181,10 +201,12 @@ class Subscription(Iterator[Delivery]):
         self._resync_ms = int(resync_interval * 1000)
         self._sub = ctx.socket(zmq.SUB)
         _configure_sub(self._sub, endpoints, self._order.topics)
-        if from_seq is None:
-            # Learn each topic's newest seq now: later events are then delivered even if the
-            # SUB connection is still being set up when they are published.
-            self._replay_all(self._order.pending)
+        # Learn the daemon's epoch and each topic's newest seq now: later events are then
+        # delivered even if the SUB connection is still being set up when they are published.
+        # Replays from ``from_seq`` wait for the first poll, which may raise EventsLost.
+        pending = self._order.pending
+        while pending and pending[0].from_seq is None:
+            self._replay(pending.popleft())
 
     def __next__(self) -> Delivery:
         while True:

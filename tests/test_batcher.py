@@ -15,37 +15,39 @@ def req(
     blocks: list[int],
     *,
     cache: str = "c",
-    ratio: int = 1,
+    remote_block_size: int = 16,
     layout: str = "HND",
     at: int = 0,
+    generation: int = 0,
 ) -> Request:
     return Request(
         req_id=req_id,
         cache_id=cache,
+        generation=generation,
         physical_block_ids=blocks,
-        block_size_ratio=ratio,
-        remote_layout=layout,
+        remote_format=layout,
+        remote_block_size=remote_block_size,
         remote_engine_id="",
         received_ns=at,
     )
 
 
-def test_groups_by_cache_ratio_and_layout() -> None:
+def test_groups_by_cache_remote_format_and_block_size() -> None:
     b = Batcher(window_ns=100 * US, max_blocks=100)
-    b.add(req("a", [1], ratio=1), 0)
-    b.add(req("b", [2], ratio=4), 0)
-    b.add(req("c", [3], ratio=1), 0)
-    b.add(req("d", [4], ratio=1, layout="NHD"), 0)
-    b.add(req("e", [5], ratio=1, cache="other"), 0)
+    b.add(req("a", [1]), 0)
+    b.add(req("b", [2], remote_block_size=4), 0)
+    b.add(req("c", [3]), 0)
+    b.add(req("d", [4], layout="NHD"), 0)
+    b.add(req("e", [5], cache="other"), 0)
     batches = b.take_due(100 * US)
     groups = {batch.key: [r.req_id for r in batch.requests] for batch in batches}
     assert groups == {
-        ("c", 1, "HND"): ["a", "c"],
-        ("c", 4, "HND"): ["b"],
-        ("c", 1, "NHD"): ["d"],
-        ("other", 1, "HND"): ["e"],
+        ("c", "HND", 16): ["a", "c"],
+        ("c", "HND", 4): ["b"],
+        ("c", "NHD", 16): ["d"],
+        ("other", "HND", 16): ["e"],
     }
-    assert [batch.block_ids() for batch in batches if batch.key == ("c", 1, "HND")] == [[1, 3]]
+    assert [batch.block_ids() for batch in batches if batch.key == ("c", "HND", 16)] == [[1, 3]]
     assert len(b) == 0
 
 
@@ -81,7 +83,7 @@ def test_cap_closes_a_batch_and_never_splits_a_request() -> None:
 def test_take_all_ignores_the_window() -> None:
     b = Batcher(window_ns=10**9, max_blocks=100)
     b.add(req("a", [1]), 0)
-    b.add(req("b", [2], ratio=2), 0)
+    b.add(req("b", [2], remote_block_size=8), 0)
     assert b.take_due(1) == []
     assert len(b.take_all()) == 2
     assert len(b) == 0

@@ -193,7 +193,7 @@ BAD_NOTIFICATIONS = [
     ({"remote_layout": "XYZ"}, "invalid_layout", "remote_layout"),
     ({"physical_block_ids": ["zero"]}, "invalid_message", "$.physical_block_ids[0]"),
     ({"block_size_ratio": "2"}, "invalid_message", "$.block_size_ratio"),
-    ({"remote_layout": None}, "invalid_layout", "$.remote_layout"),
+    ({"remote_layout": None}, "invalid_layout", "remote_layout: must be given"),
     ({"type": "read_later"}, "invalid_message", "Invalid value 'read_later' - at `$.type`"),
     ({"v": 2}, "unsupported_version", "protocol version 2"),
     ({"req_id": "", "cache_id": "x"}, None, None),  # empty req_id: nobody to answer
@@ -231,7 +231,9 @@ def test_bad_notifications_get_failed_events_and_touch_nothing(
         failed = events[0].event
         assert isinstance(failed, Failed) and failed.req_id == req_id
         assert failed.code == code and text in failed.message, failed
-        assert client.request_status(req_id).state == "failed"
+        # kvd keeps no state for a cache that is not attached.
+        state = "unknown" if code == "unknown_cache" else "failed"
+        assert client.request_status(req_id).state == state
     assert isinstance(events[-1].event, Ready)
     assert same_bytes(cache.tensors[0], before[0]), "a rejected request touched a block"
     wait_for(lambda: client.status().rejections.get(code or "invalid_message", 0) > rejected_before)
@@ -270,7 +272,8 @@ def test_undecodable_and_oversized_frames(
 
 
 def test_in_flight_conflicts() -> None:
-    """A second request for a req_id or blocks still in flight is refused; the first finishes."""
+    """A repeat of a notification in flight is absorbed by its one event; another request for
+    its blocks is refused; the first finishes."""
     # A 500 ms window keeps the first request in flight while the others are validated.
     with DaemonProcess("--batch-window-us", "500000") as d, d.client() as client:
         cache = ShmCache.create(num_layers=1, num_blocks=8, block_size=8, num_heads=2, head_dim=4)
@@ -319,10 +322,10 @@ def check_conflicts(client: Client, cache_id: str) -> None:
         ),
     ):
         client.send_raw(frame)
-    events = collect(sub, 5)
+    events = collect(sub, 3)
+    assert sub.poll(1.0) is None, "a repeat got an event of its own"
     kinds = [(d.event.req_id, getattr(d.event, "code", "ready")) for d in events]
     assert kinds.count((first, "ready")) == 1
-    assert kinds.count((first, "duplicate_request")) == 2
     third_event = next(d.event for d in events if d.event.req_id == third)
     assert isinstance(third_event, Failed) and third_event.code == "read_failed"
     assert third_event.message == "transfer state ERR" and third_event.invalid_block_ids == [7]

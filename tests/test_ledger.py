@@ -1,9 +1,28 @@
+"""The ledger and the verdicts on notifications: pure logic, no sockets."""
+
 from __future__ import annotations
 
 import pytest
 
-from kvd.daemon.ledger import Ledger, LedgerError, State
+from kvd.daemon.journal import Outcome
+from kvd.daemon.ledger import BoundedMemory, Ledger, LedgerError, State, outcome_bytes
+from kvd.daemon.validate import InFlight, Rejection, Repeat, identify
+from kvd.protocol import ReadDone, ReadFailed, Reason
 from tests.test_batcher import req
+
+
+def outcome(req_id: str, generation: int = 0, code: str = "", cache: str = "c") -> Outcome:
+    return Outcome(cache, req_id, generation, code, "", [1, 2], "")
+
+
+def read_done(req_id: str, generation: int = 0, cache: str = "c") -> ReadDone:
+    return ReadDone(
+        req_id=req_id,
+        cache_id=cache,
+        remote_layout="HND",
+        physical_block_ids=[1, 2],
+        generation=generation,
+    )
 
 
 def test_states_move_one_way_and_blocks_are_owned_until_published() -> None:
@@ -18,10 +37,10 @@ def test_states_move_one_way_and_blocks_are_owned_until_published() -> None:
     assert r.launched_ns and r.done_ns
     with pytest.raises(LedgerError):
         ledger.advance(r, State.BATCHED)
-    ledger.publish(r)
-    assert ledger.get("a") is None
+    ledger.publish(r, outcome("a"))
+    assert ledger.get(("c", "a")) is None
     assert ledger.busy_blocks("c", [1, 2, 3]) == []
-    assert ledger.finished("a") == ("c", "", "")
+    assert ledger.outcomes.get(("c", "a")) == outcome("a")
 
 
 def test_accept_refuses_what_validation_should_have_caught() -> None:
@@ -33,18 +52,42 @@ def test_accept_refuses_what_validation_should_have_caught() -> None:
         ledger.accept(req("b", [1]))
 
 
-def test_requests_without_work_own_no_blocks() -> None:
+def test_the_same_req_id_in_two_caches_is_two_requests() -> None:
     ledger = Ledger()
-    r = req("a", [1])
-    r.needs_work = False
-    ledger.accept(r)
-    assert ledger.busy_blocks("c", [1]) == []
+    ledger.accept(req("a", [1], cache="x"))
+    ledger.accept(req("a", [1], cache="y"))
+    assert ledger.in_flight() == 2
+    assert ledger.find("a", "y") is not None and ledger.find("a", "z") is None
 
 
-def test_finished_memory_is_bounded() -> None:
-    ledger = Ledger(remember_finished=3)
+def test_outcome_memory_is_bounded_by_bytes_oldest_first() -> None:
+    memory = BoundedMemory(max_bytes=3 * outcome_bytes(outcome("r0")))
     for i in range(5):
-        ledger.remember(f"r{i}", "c", "read_failed" if i % 2 else "")
-    assert ledger.finished("r0") is None and ledger.finished("r1") is None
-    assert ledger.finished("r3") == ("c", "read_failed", "")
-    assert ledger.finished("r4").code == ""
+        memory.put(outcome(f"r{i}"))
+    assert memory.get(("c", "r0")) is None and memory.get(("c", "r1")) is None
+    assert memory.get(("c", "r4")) is not None and len(memory) == 3
+    assert memory.nbytes <= memory.max_bytes
+    memory.put(outcome("r2", generation=1))  # an update replaces, and counts once
+    assert len(memory) == 3 and memory.get(("c", "r2")).generation == 1
+
+
+def test_a_repeat_of_a_finished_notification_is_answered_from_its_outcome() -> None:
+    ledger = Ledger()
+    ledger.outcomes.put(outcome("a", generation=1, code="transform_failed"))
+    assert identify(read_done("a", 1), ledger) == Repeat(ledger.outcomes.get(("c", "a")))
+    stale = identify(read_done("a", 0), ledger)
+    assert isinstance(stale, Rejection) and stale.code == Reason.STALE_GENERATION
+    assert identify(read_done("a", 2), ledger) is None  # read again: new
+    assert identify(read_done("a", 1, cache="other"), ledger) is None  # another cache's "a"
+
+
+def test_a_repeat_while_in_flight_is_absorbed_and_a_new_generation_refused() -> None:
+    ledger = Ledger()
+    ledger.accept(req("a", [1], generation=3))
+    assert identify(read_done("a", 3), ledger) == InFlight()
+    failed = ReadFailed(req_id="a", cache_id="c", generation=3)
+    assert identify(failed, ledger) == InFlight()
+    racing = identify(read_done("a", 4), ledger)
+    assert isinstance(racing, Rejection) and racing.code == Reason.GENERATION_IN_FLIGHT
+    older = identify(read_done("a", 2), ledger)
+    assert isinstance(older, Rejection) and older.code == Reason.STALE_GENERATION

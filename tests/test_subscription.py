@@ -5,17 +5,28 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from kvd.protocol import Ready, ReplayEnd, encode_seq
+from kvd.protocol import UNATTACHED_TOPIC, Ready, ReplayEnd, encode_seq
 from kvd.subscription import EventsLost, ReplayError, _Gap, _Ordering
 
 
-def ready(n: int) -> bytes:
-    return msgspec.msgpack.encode(Ready(req_id=f"r{n}", cache_id="c", physical_block_ids=[n]))
+def ready(n: int, epoch: int = 7) -> bytes:
+    event = Ready(req_id=f"r{n}", cache_id="c", physical_block_ids=[n], epoch=epoch)
+    return msgspec.msgpack.encode(event)
 
 
 def end(oldest: int, newest: int, code: str = "", epoch: int = 7) -> bytes:
     reply = ReplayEnd(topic="c", oldest_seq=oldest, newest_seq=newest, epoch=epoch, code=code)
     return msgspec.msgpack.encode(reply)
+
+
+def ordering(topics: list[str], from_seq: int | None) -> _Ordering:
+    """An ordering that learnt the daemon's epoch (7) from the refusals topic, as every
+    subscription does first."""
+    order = _Ordering(topics, from_seq)
+    first = order.pending.popleft()
+    assert first == _Gap(UNATTACHED_TOPIC, None)
+    order.replayed(first, [], end(0, 0))
+    return order
 
 
 def delivered(order: _Ordering) -> list[int]:
@@ -29,27 +40,27 @@ def live(order: _Ordering, seq: int, topic: bytes = b"c") -> _Gap | None:
 
 
 def test_in_order_events_are_delivered() -> None:
-    order = _Ordering(["c"], None)
+    order = ordering(["c"], None)
     for seq in (5, 6, 7):
         assert live(order, seq) is None
     assert delivered(order) == [5, 6, 7]
 
 
 def test_a_repeated_event_without_a_replay_makes_it_check_for_a_restart() -> None:
-    order = _Ordering(["c"], None)
+    order = ordering(["c"], None)
     live(order, 5)
     assert live(order, 5) == _Gap("c", 6)
     assert delivered(order) == [5]
 
 
 def test_other_topics_with_a_shared_prefix_are_ignored() -> None:
-    order = _Ordering(["c"], None)
+    order = ordering(["c"], None)
     assert live(order, 1, b"c2") is None
     assert delivered(order) == []
 
 
 def test_baseline_starts_after_the_newest_event() -> None:
-    order = _Ordering(["c"], None)
+    order = ordering(["c"], None)
     order.replayed(order.pending.popleft(), [], end(1, 41))
     assert live(order, 40) == _Gap("c", 42)  # older than the baseline: checked once ...
     assert live(order, 41) is None  # ... and not again until something is delivered
@@ -58,7 +69,7 @@ def test_baseline_starts_after_the_newest_event() -> None:
 
 
 def test_a_gap_asks_for_a_replay_and_the_live_event_follows_it() -> None:
-    order = _Ordering(["c"], None)
+    order = ordering(["c"], None)
     live(order, 1)
     gap = live(order, 4)
     assert gap == _Gap("c", 2, (4, ready(4)))
@@ -71,39 +82,54 @@ def test_a_gap_asks_for_a_replay_and_the_live_event_follows_it() -> None:
 
 
 def test_idle_resync_finds_a_missed_last_event() -> None:
-    order = _Ordering(["c"], None)
+    order = ordering(["c"], None)
     live(order, 1)
-    (gap,) = order.resync()
-    assert gap == _Gap("c", 2)
+    gaps = order.resync()
+    assert set(gaps) == {_Gap("c", 2), _Gap(UNATTACHED_TOPIC, 1)}
+    gap = _Gap("c", 2)
     order.replayed(gap, [(2, ready(2))], end(1, 2))
     assert delivered(order) == [1, 2]
 
 
 def test_lost_events_are_reported_after_the_survivors_are_queued() -> None:
-    order = _Ordering(["c"], 1)
+    order = ordering(["c"], 1)
     with pytest.raises(EventsLost) as lost:
         order.replayed(order.pending.popleft(), [(4, ready(4)), (5, ready(5))], end(4, 5))
     assert (lost.value.first_seq, lost.value.last_seq, lost.value.restarted) == (1, 3, False)
     assert delivered(order) == [4, 5]
 
 
+def test_the_first_event_of_a_restarted_kvd_is_noticed_whatever_its_seq() -> None:
+    order = ordering([], None)  # every topic
+    live(order, 3)
+    live(order, 4)
+    with pytest.raises(EventsLost) as lost:
+        order.live(b"c", encode_seq(9), ready(9, epoch=8))  # higher seq, other daemon
+    assert lost.value.restarted
+    # Everything of the new daemon, every topic from its first event:
+    assert set(order.pending) == {_Gap("c", 1), _Gap(UNATTACHED_TOPIC, 1)}
+    order.replayed(_Gap("c", 1), [(1, ready(1, 8)), (9, ready(9, 8))], end(1, 9, epoch=8))
+    assert delivered(order) == [3, 4, 1, 9]
+
+
 def test_a_new_epoch_means_kvd_restarted() -> None:
-    order = _Ordering(["c"], None)
-    order.replayed(order.pending.popleft(), [], end(1, 10, epoch=1))
+    order = ordering(["c"], None)
+    order.replayed(order.pending.popleft(), [], end(1, 10, epoch=7))
     live(order, 11)
-    gap = live(order, 1)  # the new daemon's first event: older than anything replayed
+    # A new daemon's event lost on the way (an old one sent no epoch): only the seq tells.
+    gap = order.live(b"c", encode_seq(1), ready(1, epoch=0))
     assert gap == _Gap("c", 12)
     with pytest.raises(EventsLost) as lost:
-        order.replayed(gap, [], end(1, 1, epoch=2))
+        order.replayed(gap, [], end(1, 1, epoch=8))
     assert lost.value.restarted and lost.value.first_seq == 12
-    again = order.pending.popleft()
+    again = next(g for g in order.pending if g.topic == "c")
     assert again == _Gap("c", 1)
-    order.replayed(again, [(1, ready(1))], end(1, 1, epoch=2))
+    order.replayed(again, [(1, ready(1, epoch=8))], end(1, 1, epoch=8))
     assert delivered(order) == [11, 1]
 
 
 def test_replay_refusal() -> None:
-    order = _Ordering(["c"], 1)
+    order = ordering(["c"], 1)
     with pytest.raises(ReplayError, match="invalid_message"):
         order.replayed(order.pending.popleft(), [], end(0, 0, "invalid_message"))
 

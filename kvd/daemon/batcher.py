@@ -1,8 +1,8 @@
 """Batching decisions: which accepted requests are post-processed together, and when.
 
-Pure logic, driven by the caller's clock. Requests are grouped by (cache, block_size_ratio,
-remote_layout), the key under which one kernel pass can rewrite all their blocks. A batch becomes
-due when its oldest request has waited ``window_ns`` or it holds ``max_blocks`` blocks; the
+Pure logic, driven by the caller's clock. Requests are grouped by (cache, remote format,
+remote block size), the key under which one kernel pass can rewrite all their blocks. A batch
+becomes due when its oldest request has waited ``window_ns`` or it holds ``max_blocks`` blocks; the
 daemon takes due batches whenever the executor can accept work, so while the executor is busy
 batches keep filling up (up to ``max_blocks``) instead of queueing many small passes.
 """
@@ -12,9 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvd.daemon.ledger import Request
+from kvd.protocol import FormatRef
 
-BatchKey = tuple[str, int, str]
-"""(cache_id, block_size_ratio, remote_layout)."""
+BatchKey = tuple[str, FormatRef, int]
+"""(cache_id, remote_format, remote_block_size)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -29,11 +30,11 @@ class Batch:
         return self.key[0]
 
     @property
-    def block_size_ratio(self) -> int:
+    def remote_format(self) -> FormatRef:
         return self.key[1]
 
     @property
-    def remote_layout(self) -> str:
+    def remote_block_size(self) -> int:
         return self.key[2]
 
     def block_ids(self) -> list[int]:
@@ -67,7 +68,7 @@ class Batcher:
 
         A request is never split; one larger than ``max_blocks`` gets a batch of its own.
         """
-        key = (request.cache_id, request.block_size_ratio, request.remote_layout)
+        key = (request.cache_id, request.remote_format, request.remote_block_size)
         n = len(request.physical_block_ids)
         batch = self._open.get(key)
         if batch is not None and batch.num_blocks + n > self.max_blocks:

@@ -80,6 +80,26 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         int,
         msgspec.Meta(ge=1, description="Events kept per topic for replay."),
     ] = 65536
+    replay_buffer_bytes: Annotated[
+        int,
+        msgspec.Meta(
+            ge=1 << 20,
+            description=(
+                "Bytes of events kept for replay, all topics together; the oldest go first."
+            ),
+        ),
+    ] = 256 << 20
+    journal_max_bytes: Annotated[
+        int,
+        msgspec.Meta(
+            ge=1 << 20,
+            description=(
+                "Size of the launch journal in the runtime directory (two segments). It bounds "
+                "how far back kvd remembers which requests it rewrote, across restarts too: a "
+                "notification repeated after that is processed again."
+            ),
+        ),
+    ] = 64 << 20
     max_message_bytes: Annotated[
         int,
         msgspec.Meta(

@@ -2,7 +2,8 @@
 
 Requests arrive on a ROUTER; REQ clients send (identity, empty, body) and DEALER clients
 (identity, body); the reply reuses the same envelope. Opening an Attach's memory runs in a
-worker thread, so a slow open never stalls ingest.
+worker thread, so a slow open never stalls ingest. A cache remembers who attached it (the
+connection and the engine id): only they, or an operator running as kvd's user, may detach it.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
+import struct
 import time
 from typing import TYPE_CHECKING
 
@@ -17,10 +20,12 @@ import msgspec
 import zmq
 
 from kvd import __version__
+from kvd.daemon.attach import open_cache
 from kvd.daemon.ledger import State
+from kvd.daemon.memory import AttachError
 from kvd.daemon.metrics import Metrics
 from kvd.daemon.pipeline import Pipeline
-from kvd.daemon.registry import AttachError, Registry
+from kvd.daemon.registry import Owner, Registry
 from kvd.protocol import (
     PROTOCOL_VERSION,
     Attach,
@@ -78,12 +83,14 @@ class Control:
         """Called after each reply: attach replies leave from a task, outside the socket's reader
         (see ``SocketReader.poke``)."""
 
-    def on_request(self, frames: list[bytes]) -> None:
+    def on_request(self, frames: list[zmq.Frame]) -> None:
+        """One request, received with ``copy=False``: the last frame's source descriptor tells
+        who sent it (for an operator's forced Detach)."""
         if len(frames) < 2:
             log.warning("control message without an envelope (%d frames) ignored", len(frames))
             self._metrics.rejections.inc(Reason.INVALID_MESSAGE)
             return
-        envelope, body = frames[:-1], frames[-1]
+        envelope, body = [f.bytes for f in frames[:-1]], frames[-1].bytes
         reply = self._decode(body)
         if isinstance(reply, Error):
             self._send(envelope, reply)
@@ -104,6 +111,9 @@ class Control:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
             return
+        if isinstance(request, Detach):
+            self._send(envelope, self._detach(request, envelope[0], frames[-1]))
+            return
         self._send(envelope, self._answer(request))
 
     def _decode(self, body: bytes) -> Attach | Detach | Status | Ping | Error:
@@ -114,17 +124,15 @@ class Control:
             )
         try:
             return self._decoder.decode(body)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            return self._error(Reason.INVALID_MESSAGE, str(exc))
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+            return self._error(Reason.INVALID_MESSAGE, str(exc)[:1000])
 
-    def _answer(self, request: Detach | Status | Ping) -> ControlReply:
+    def _answer(self, request: Status | Ping) -> ControlReply:
         if isinstance(request, Ping):
             return Pong(version=__version__, protocol_version=PROTOCOL_VERSION, pid=os.getpid())
-        if isinstance(request, Status):
-            if request.req_id is None:
-                return self.daemon_status()
-            return self.request_status(request.req_id)
-        return self._detach(request)
+        if request.req_id is None:
+            return self.daemon_status()
+        return self.request_status(request.req_id, request.cache_id)
 
     async def _attach(self, envelope: list[bytes], request: Attach) -> None:
         cache_id = request.cache_id
@@ -135,9 +143,14 @@ class Control:
             )
             return
         self._opening.add(cache_id)
+        owner = Owner(routing_id=envelope[0], engine_id=request.engine_id)
         try:
-            cache = await asyncio.to_thread(self._registry.open, request)
-            self._registry.add(cache)
+            cache = await asyncio.to_thread(open_cache, request, self._registry.device, owner)
+            try:
+                self._registry.add(cache)
+            except AttachError:
+                cache.close()
+                raise
         except AttachError as exc:
             self._send(envelope, self._error(exc.code, exc.message))
             return
@@ -162,10 +175,31 @@ class Control:
             ),
         )
 
-    def _detach(self, request: Detach) -> ControlReply:
+    def _detach(self, request: Detach, routing_id: bytes, frame: zmq.Frame) -> ControlReply:
         cache_id = request.cache_id
-        if cache_id not in self._registry:
+        cache = self._registry.get(cache_id)
+        if cache is None:
             return self._error(Reason.UNKNOWN_CACHE, f"cache_id: {cache_id!r} is not attached")
+        owner = cache.owner
+        allowed = routing_id == owner.routing_id or (
+            bool(owner.engine_id) and request.engine_id == owner.engine_id
+        )
+        if not allowed and request.force:
+            uid = _peer_uid(frame)
+            allowed = uid is not None and uid in (0, os.geteuid())
+            if not allowed:
+                return self._error(
+                    Reason.NOT_OWNER,
+                    f"force: only kvd's user or root may force a detach, over an ipc socket "
+                    f"(the peer is uid {uid if uid is not None else 'unknown'})",
+                )
+        if not allowed:
+            return self._error(
+                Reason.NOT_OWNER,
+                f"cache_id: {cache_id!r} was attached by another connection"
+                + (f" (engine {owner.engine_id!r})" if owner.engine_id else "")
+                + "; detach it from there, with its engine_id, or as an operator with force",
+            )
         busy = self._pipeline.ledger.in_flight(cache_id)
         if busy:
             return self._error(
@@ -176,15 +210,22 @@ class Control:
         log.info("detached cache %r", cache_id)
         return Detached(cache_id=cache_id)
 
-    def request_status(self, req_id: str) -> RequestStatus:
-        request = self._pipeline.ledger.get(req_id)
+    def request_status(self, req_id: str, cache_id: str = "") -> RequestStatus:
+        ledger = self._pipeline.ledger
+        request = ledger.find(req_id, cache_id)
         if request is not None:
             return RequestStatus(
                 req_id=req_id, state=_STATE_NAMES[request.state], cache_id=request.cache_id
             )
-        outcome = self._pipeline.ledger.finished(req_id)
-        if outcome is None:
+        known = [
+            o
+            for memory in (ledger.outcomes, ledger.untouched)
+            for o in memory.by_req_id(req_id)
+            if not cache_id or o.cache_id == cache_id
+        ]
+        if not known:
             return RequestStatus(req_id=req_id, state="unknown")
+        outcome = known[0]
         return RequestStatus(
             req_id=req_id,
             state="failed" if outcome.code else "ready",
@@ -234,3 +275,25 @@ class Control:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+_UCRED = struct.Struct("3i")
+
+
+def _peer_uid(frame: zmq.Frame) -> int | None:
+    """The uid of the process that sent ``frame`` over an ipc socket (None over TCP)."""
+    try:
+        fd = frame.get(zmq.SRCFD)
+        peer = socket.socket(fileno=os.dup(fd))
+    except (zmq.ZMQError, OSError):
+        return None
+    try:
+        uid: int
+        _, uid, _ = _UCRED.unpack(
+            peer.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+        )
+    except OSError:
+        return None
+    finally:
+        peer.close()
+    return uid

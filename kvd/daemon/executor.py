@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kvd.daemon.batcher import Batch
+from kvd.kernels import MemoryFault
 from kvd.postprocess import Group
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,8 @@ class WorkItem:
     """Bytes the rewrite moves: listed blocks times the bytes of one block in every view."""
     error: str | None = None
     """Set by the worker when the transform raised; the batch's requests then fail."""
+    lost: str | None = None
+    """Set when the cache's memory faulted (a segment shrank): no later request may touch it."""
 
 
 @dataclass(slots=True, eq=False)
@@ -90,6 +93,9 @@ class Executor:
                 try:
                     for group in item.groups:
                         group.apply(item.block_ids)
+                except MemoryFault as exc:
+                    item.error = item.lost = f"memory fault while rewriting: {exc}"
+                    log.error("post-process of %d blocks: %s", len(item.block_ids), exc)
                 # A failed transform must fail its requests, not the worker: report and go on.
                 except Exception as exc:
                     log.exception("post-process of %d blocks failed", len(item.block_ids))

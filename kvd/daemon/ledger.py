@@ -1,18 +1,22 @@
 """The one place a request's state lives, from acceptance to its published event.
 
-State moves one way: accepted -> batched -> launched -> done -> published. The ledger also owns
-which blocks are in flight, so a block can never be handed to two requests at once, and keeps a
-bounded memory of finished requests for ``Status`` queries. A request that needs no work is
-accepted and published in one step of the event loop, so only its outcome is recorded.
+A request is identified by its key (cache_id, req_id) and its generation. State moves one way:
+accepted -> batched -> launched -> done -> published. The ledger owns which blocks are in flight,
+so a block is never handed to two requests at once, and remembers the outcome of every request
+whose blocks kvd touched (launched), so a repeated notification is answered from memory and
+never rewrites them again. Both memories are bounded by bytes; the journal (``journal.py``)
+keeps the same outcomes across restarts.
 """
 
 from __future__ import annotations
 
 import enum
 import time
-from collections import deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import NamedTuple
+
+from kvd.daemon.journal import Key, Launch, Outcome
+from kvd.protocol import FormatRef
 
 
 class State(enum.IntEnum):
@@ -25,53 +29,106 @@ class State(enum.IntEnum):
 
 @dataclass(slots=True, eq=False)
 class Request:
-    """An accepted ReadDone, with the resolved ratio and its arrival time (monotonic ns)."""
+    """An accepted ReadDone, resolved: the remote format and block size, arrival time (ns)."""
 
     req_id: str
     cache_id: str
+    generation: int
     physical_block_ids: list[int]
-    block_size_ratio: int
-    remote_layout: str
+    remote_format: FormatRef
+    remote_block_size: int
     remote_engine_id: str
     received_ns: int
+    covered_sub_blocks: int = 0
     state: State = State.ACCEPTED
     launched_ns: int = 0
     done_ns: int = 0
-    needs_work: bool = True
     error: tuple[str, str] | None = field(default=None)
     """(code, message) when the post-process failed; set when the request reaches DONE."""
 
+    @property
+    def key(self) -> Key:
+        return (self.cache_id, self.req_id)
 
-class Outcome(NamedTuple):
-    """What a published request ended as, remembered for Status queries; no code = Ready."""
-
-    cache_id: str
-    code: str
-    message: str
+    def launch_record(self) -> Launch:
+        return Launch(
+            self.cache_id,
+            self.req_id,
+            self.generation,
+            self.physical_block_ids,
+            self.remote_engine_id,
+        )
 
 
 class LedgerError(RuntimeError):
     """A state transition that would break the one-way order: a bug, never bad input."""
 
 
+def outcome_bytes(outcome: Outcome) -> int:
+    """What remembering ``outcome`` costs, roughly (the dict entry and the Python objects)."""
+    return (
+        200
+        + len(outcome.cache_id)
+        + 2 * len(outcome.req_id)
+        + len(outcome.message)
+        + 40 * len(outcome.block_ids)
+    )
+
+
+class BoundedMemory:
+    """Outcomes by key, oldest forgotten first once ``max_bytes`` is exceeded."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._entries: OrderedDict[Key, Outcome] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: Key) -> Outcome | None:
+        return self._entries.get(key)
+
+    def put(self, outcome: Outcome) -> None:
+        key = (outcome.cache_id, outcome.req_id)
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self.nbytes -= outcome_bytes(old)
+        self._entries[key] = outcome
+        self.nbytes += outcome_bytes(outcome)
+        while self.nbytes > self.max_bytes and len(self._entries) > 1:
+            _, evicted = self._entries.popitem(last=False)
+            self.nbytes -= outcome_bytes(evicted)
+
+    def by_req_id(self, req_id: str) -> list[Outcome]:
+        """Every remembered outcome of ``req_id``, in any cache (for Status; not a hot path)."""
+        return [o for (_, r), o in self._entries.items() if r == req_id]
+
+    def values(self) -> list[Outcome]:
+        return list(self._entries.values())
+
+
 class Ledger:
-    def __init__(self, remember_finished: int = 65536) -> None:
-        self._requests: dict[str, Request] = {}
-        self._block_owner: dict[str, dict[int, str]] = {}
-        # Plain tuples and a deque of ids, oldest first: this runs once per notification.
-        self._finished: dict[str, tuple[str, str, str]] = {}
-        self._finished_order: deque[str] = deque()
-        self._remember = remember_finished
+    def __init__(self, outcome_bytes: int = 64 << 20, untouched_bytes: int = 8 << 20) -> None:
+        self._requests: dict[Key, Request] = {}
+        self._block_owner: dict[str, dict[int, Key]] = {}
+        self.outcomes = BoundedMemory(outcome_bytes)
+        """Requests whose blocks kvd touched: never rewritten again under the same generation."""
+        self.untouched = BoundedMemory(untouched_bytes)
+        """Recent answers that touched nothing (refusals, requests that needed no work), for
+        Status only: a repeat of one is checked afresh."""
 
     def __len__(self) -> int:
         return len(self._requests)
 
-    def get(self, req_id: str) -> Request | None:
-        return self._requests.get(req_id)
+    def get(self, key: Key) -> Request | None:
+        return self._requests.get(key)
 
-    def finished(self, req_id: str) -> Outcome | None:
-        outcome = self._finished.get(req_id)
-        return None if outcome is None else Outcome(*outcome)
+    def find(self, req_id: str, cache_id: str = "") -> Request | None:
+        """A request in flight by req_id (in ``cache_id`` when given)."""
+        if cache_id:
+            return self._requests.get((cache_id, req_id))
+        return next((r for r in self._requests.values() if r.req_id == req_id), None)
 
     def in_flight(self, cache_id: str | None = None) -> int:
         if cache_id is None:
@@ -86,20 +143,19 @@ class Ledger:
         return [b for b in block_ids if b in owners]
 
     def accept(self, request: Request) -> None:
-        """Record an accepted request; if it rewrites blocks, it owns them until published."""
-        if request.req_id in self._requests:
-            raise LedgerError(f"request {request.req_id!r} is already in flight")
-        if request.needs_work:
-            owners = self._block_owner.setdefault(request.cache_id, {})
-            if not owners.keys().isdisjoint(request.physical_block_ids):
-                raise LedgerError(f"blocks of {request.req_id!r} are already in flight")
-            owners.update(dict.fromkeys(request.physical_block_ids, request.req_id))
-        self._requests[request.req_id] = request
+        """Record an accepted request; it owns its blocks until published."""
+        if request.key in self._requests:
+            raise LedgerError(f"request {request.key!r} is already in flight")
+        owners = self._block_owner.setdefault(request.cache_id, {})
+        if not owners.keys().isdisjoint(request.physical_block_ids):
+            raise LedgerError(f"blocks of {request.key!r} are already in flight")
+        owners.update(dict.fromkeys(request.physical_block_ids, request.key))
+        self._requests[request.key] = request
 
     def advance(self, request: Request, state: State) -> None:
         if state - request.state != 1:
             raise LedgerError(
-                f"request {request.req_id!r}: {request.state.name} -> {state.name} is not allowed"
+                f"request {request.key!r}: {request.state.name} -> {state.name} is not allowed"
             )
         request.state = state
         if state == State.LAUNCHED:
@@ -107,26 +163,21 @@ class Ledger:
         elif state == State.DONE:
             request.done_ns = time.monotonic_ns()
 
-    def publish(self, request: Request, code: str = "", message: str = "") -> None:
-        """Mark the request's event as sent: frees its blocks and forgets it except its outcome."""
-        self.advance(request, State.PUBLISHED)
-        del self._requests[request.req_id]
-        if request.needs_work:
-            owners = self._block_owner[request.cache_id]
-            for b in request.physical_block_ids:
-                del owners[b]
-            if not owners:
-                del self._block_owner[request.cache_id]
-        self.remember(request.req_id, request.cache_id, code, message)
-
-    def remember(self, req_id: str, cache_id: str, code: str = "", message: str = "") -> None:
-        """Record how a request ended (also for notifications rejected before acceptance)."""
-        finished = self._finished
-        if req_id not in finished:
-            self._finished_order.append(req_id)
-            if len(self._finished_order) > self._remember:
-                del finished[self._finished_order.popleft()]
-        finished[req_id] = (cache_id, code, message)
+    def publish(self, request: Request, outcome: Outcome | None) -> None:
+        """Mark the request's event as sent: frees its blocks and forgets it, except the
+        ``outcome`` of a request whose blocks were touched."""
+        request.state = State.PUBLISHED
+        del self._requests[request.key]
+        owners = self._block_owner[request.cache_id]
+        for b in request.physical_block_ids:
+            del owners[b]
+        if not owners:
+            del self._block_owner[request.cache_id]
+        if outcome is not None:
+            self.outcomes.put(outcome)
 
     def requests(self) -> list[Request]:
         return list(self._requests.values())
+
+    def launched(self) -> list[Request]:
+        return [r for r in self._requests.values() if r.state >= State.LAUNCHED]

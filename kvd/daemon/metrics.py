@@ -152,6 +152,16 @@ class Metrics:
         self.bytes = Counter("kvd_bytes_processed_total", "Bytes of blocks post-processed.")
         self.batches = Counter("kvd_batches_total", "Batches launched on the executor.")
         self.events = Counter("kvd_events_published_total", "Events published.")
+        self.repeats = Counter(
+            "kvd_repeated_notifications_total",
+            "Notifications kvd already knew (answered from the recorded outcome, or by the "
+            "event of the one still in flight); none rewrites a block.",
+        )
+        self.handler_errors = LabelledCounter(
+            "kvd_handler_errors_total",
+            "Messages whose handling raised (a bug or hostile input); the reader went on.",
+            "socket",
+        )
         self.queue_wait = Histogram(
             "kvd_queue_wait_seconds", "Time from acceptance to launch.", LATENCY_BUCKETS
         )
@@ -174,7 +184,14 @@ class Metrics:
     def counters(self) -> dict[str, int]:
         """Unlabelled totals for Status replies."""
         out = {"ready": self.ready.value, "failed": self.failed.value}
-        for c in (self.messages, self.blocks, self.bytes, self.batches, self.events):
+        for c in (
+            self.messages,
+            self.blocks,
+            self.bytes,
+            self.batches,
+            self.events,
+            self.repeats,
+        ):
             out[c.name.removeprefix("kvd_").removesuffix("_total")] = c.value
         return out
 

@@ -1,29 +1,38 @@
 """The data path on the event loop: ingest -> validate -> batcher -> executor -> publisher.
 
 Every accepted ReadDone ends in exactly one Ready or Failed, published only after its blocks
-were post-processed (or found to need no work). Every rejected notification is counted, logged
-and, when its req_id could be read, answered with a Failed event.
+were post-processed (or found to need no work). A notification kvd has already answered is
+answered again from the outcome it recorded, and a repeat of one still in flight is absorbed by
+the event that will answer it: blocks are rewritten at most once per (cache, req_id,
+generation). Launches and outcomes go to the journal first, so a crash leaves nothing a new kvd
+cannot answer for. Every refused notification is counted, logged and, when its req_id could be
+read, answered with a Failed event that touched nothing: on its cache's topic, or on
+``UNATTACHED_TOPIC`` when its cache is not attached.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import msgspec
 
 from kvd.daemon.batcher import Batch, Batcher
 from kvd.daemon.executor import Executor, Job, WorkItem
+from kvd.daemon.journal import Journal, Launch, Outcome, Recovered
 from kvd.daemon.ledger import Ledger, Request, State
 from kvd.daemon.logs import RateLimitedLog
 from kvd.daemon.metrics import Metrics
 from kvd.daemon.publisher import Publisher
 from kvd.daemon.registry import Registry
 from kvd.daemon.timers import WindowTimer
-from kvd.daemon.validate import Rejection, validate_read_done
+from kvd.daemon.validate import Accept, InFlight, Rejection, Repeat, identify, validate_read_done
 from kvd.protocol import (
+    UNATTACHED_TOPIC,
     Failed,
     IngestMessage,
     MessageHeader,
@@ -38,6 +47,13 @@ log = logging.getLogger(__name__)
 
 # msgspec reports the path of a bad field; these fields have reason codes of their own.
 _FIELD_REASONS = {"`$.remote_layout`": Reason.INVALID_LAYOUT}
+# Failed events for undecodable notifications name at most this many block ids.
+_IDS_IN_REJECTIONS = 1024
+
+INTERRUPTED_MESSAGE = (
+    "kvd stopped while it may have been rewriting these blocks (a crash, a kill or a forced "
+    "exit): their contents are undefined; read them again under a new generation, or recompute"
+)
 
 
 class Pipeline:
@@ -47,6 +63,7 @@ class Pipeline:
         registry: Registry,
         publisher: Publisher,
         metrics: Metrics,
+        journal: Journal,
         *,
         batch_window_us: int,
         max_batch_blocks: int,
@@ -58,16 +75,46 @@ class Pipeline:
         self.registry = registry
         self.publisher = publisher
         self.metrics = metrics
+        self.journal = journal
         self.ledger = Ledger()
         self.batcher = Batcher(batch_window_us * 1000, max_batch_blocks)
         self.max_message_bytes = max_message_bytes
         factory = executor_factory or Executor
         self.executor = factory(loop, self._job_done)
         self.accepting = True
+        self.closing = False
+        """Set on the way out: a job that finishes after this is left to the journal."""
         self._decoder = msgspec.msgpack.Decoder(IngestMessage)
         self._timer = WindowTimer(loop, self.kick)
         self._drained: asyncio.Future[None] | None = None
         self._rejection_log = RateLimitedLog(log)
+        # Fault injection for the crash tests: SIGKILL at a named point, never set in service.
+        self._crash_at = os.environ.get("KVD_TEST_CRASH_AT", "")
+
+    # -- start ----------------------------------------------------------------------------------
+
+    def recover(self, recovered: Recovered) -> int:
+        """Take over what the journal of the previous run holds; returns how many launches it
+        left without an outcome, each now answered with Failed(interrupted)."""
+        for outcome in recovered.outcomes.values():
+            self.ledger.outcomes.put(outcome)
+        for launch in recovered.interrupted:
+            outcome = Outcome(
+                launch.cache_id,
+                launch.req_id,
+                launch.generation,
+                Reason.INTERRUPTED,
+                INTERRUPTED_MESSAGE,
+                launch.block_ids,
+                launch.remote_engine_id,
+            )
+            self.ledger.outcomes.put(outcome)
+        self.journal.open(self.ledger.outcomes.values())
+        for launch in recovered.interrupted:
+            answer = self.ledger.outcomes.get((launch.cache_id, launch.req_id))
+            assert answer is not None
+            self._publish_outcome(answer)
+        return len(recovered.interrupted)
 
     # -- ingest ---------------------------------------------------------------------------------
 
@@ -89,13 +136,13 @@ class Pipeline:
             return
         try:
             msg = self._decoder.decode(frame)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
             text = str(exc)
             code = next(
                 (r for path, r in _FIELD_REASONS.items() if text.endswith(path)),
                 Reason.INVALID_MESSAGE,
             )
-            self._reject_frame(frame, code, text)
+            self._reject_frame(frame, code, text[:1000])
             return
         if isinstance(msg, ReadDone):
             self._read_done(msg)
@@ -103,39 +150,51 @@ class Pipeline:
             self._read_failed(msg)
 
     def _read_done(self, msg: ReadDone) -> None:
-        if not self.accepting:
+        received_ns = time.monotonic_ns()
+        verdict = validate_read_done(msg, self.registry, self.ledger)
+        if not self.accepting and isinstance(verdict, Accept | Rejection):
             self._reject(msg, Reason.SHUTTING_DOWN, "kvd is draining")
             return
-        received_ns = time.monotonic_ns()
-        result = validate_read_done(msg, self.registry, self.ledger)
-        if isinstance(result, Rejection):
-            self._reject(msg, result.code, result.message)
-            return
-        cache, ratio = result
-        if msg.remote_layout is None:
-            self._reject(msg, Reason.INVALID_LAYOUT, "remote_layout: must be given")
-            return
-        if not msg.physical_block_ids or not cache.needs_work(ratio, msg.remote_layout):
-            self._answer_at_once(msg, received_ns)
-            return
-        request = Request(
-            req_id=msg.req_id,
-            cache_id=msg.cache_id,
-            physical_block_ids=msg.physical_block_ids,
-            block_size_ratio=ratio,
-            remote_layout=msg.remote_layout,
-            remote_engine_id=msg.remote_engine_id,
-            received_ns=received_ns,
-        )
-        self.ledger.accept(request)
-        self.ledger.advance(request, State.BATCHED)
-        self.batcher.add(request, received_ns)
+        if isinstance(verdict, Accept):
+            cache = verdict.cache
+            ratio = cache.block_size // verdict.remote_block_size
+            if not msg.physical_block_ids or not cache.needs_work(ratio, verdict.remote_format):
+                self._answer_at_once(msg, received_ns)
+                return
+            request = Request(
+                req_id=msg.req_id,
+                cache_id=msg.cache_id,
+                generation=msg.generation,
+                physical_block_ids=msg.physical_block_ids,
+                remote_format=verdict.remote_format,
+                remote_block_size=verdict.remote_block_size,
+                remote_engine_id=msg.remote_engine_id,
+                received_ns=received_ns,
+                covered_sub_blocks=msg.covered_sub_blocks,
+            )
+            self.ledger.accept(request)
+            self.ledger.advance(request, State.BATCHED)
+            self.batcher.add(request, received_ns)
+        else:
+            self._known_or_refused(msg, verdict)
+
+    def _known_or_refused(
+        self, msg: ReadDone | ReadFailed, verdict: Rejection | Repeat | InFlight
+    ) -> None:
+        if isinstance(verdict, Rejection):
+            self._reject(msg, verdict.code, verdict.message)
+        elif isinstance(verdict, Repeat):
+            self.metrics.repeats.value += 1
+            self._publish_outcome(verdict.outcome)
+        else:
+            # Its one event is still to come and answers this copy too.
+            self.metrics.repeats.value += 1
+            log.debug("repeat of %r (generation %d) while in flight", msg.req_id, msg.generation)
 
     def _answer_at_once(self, msg: ReadDone, received_ns: int) -> None:
         """Nothing to rewrite (NHD -> NHD, MLA, no blocks): Ready without the executor.
 
-        The request is accepted and published in this one step, so it never sits in the
-        ledger; only its outcome is recorded.
+        Nothing is touched, so nothing is recorded: a repeat is checked and answered afresh.
         """
         elapsed_ns = time.monotonic_ns() - received_ns
         self.publisher.publish(
@@ -146,10 +205,12 @@ class Pipeline:
                 physical_block_ids=msg.physical_block_ids,
                 remote_engine_id=msg.remote_engine_id,
                 elapsed_us=elapsed_ns // 1000,
+                generation=msg.generation,
+                epoch=self.publisher.epoch,
             ),
         )
         self._count_answer(True, elapsed_ns)
-        self.ledger.remember(msg.req_id, msg.cache_id)
+        self.ledger.untouched.put(Outcome(msg.cache_id, msg.req_id, msg.generation, "", "", [], ""))
 
     def _count_answer(self, ready: bool, elapsed_ns: int) -> None:
         metrics = self.metrics
@@ -158,62 +219,63 @@ class Pipeline:
         metrics.read_done_to_ready.observe(elapsed_ns / 1e9)
 
     def _read_failed(self, msg: ReadFailed) -> None:
-        if self.ledger.get(msg.req_id) is not None:
-            self._reject(
-                msg,
-                Reason.DUPLICATE_REQUEST,
-                f"req_id: {msg.req_id!r} is already in flight; this ReadFailed is ignored",
-            )
+        known = identify(msg, self.ledger)
+        if known is not None:
+            self._known_or_refused(msg, known)
             return
         reason = msg.reason or "the engine reported the NIXL read as failed"
-        self.publisher.publish(
-            msg.cache_id,
-            Failed(
-                req_id=msg.req_id,
-                cache_id=msg.cache_id,
-                code=Reason.READ_FAILED,
-                message=reason,
-                invalid_block_ids=msg.physical_block_ids,
-                remote_engine_id=msg.remote_engine_id,
-            ),
-        )
+        self._reject(msg, Reason.READ_FAILED, reason, counted=False)
         self.metrics.failed.value += 1
-        self.metrics.events.value += 1
-        self.ledger.remember(msg.req_id, msg.cache_id, Reason.READ_FAILED, reason)
 
     def _reject_frame(self, frame: bytes, code: Reason, message: str) -> None:
         self._reject(decode_header(frame) or MessageHeader(), code, message)
 
     def _reject(
-        self, source: ReadDone | ReadFailed | MessageHeader, code: Reason, message: str
+        self,
+        source: ReadDone | ReadFailed | MessageHeader,
+        code: Reason,
+        message: str,
+        *,
+        counted: bool = True,
     ) -> None:
-        """Count, log and (when its req_id is known) answer a notification kvd will not process."""
+        """Count, log and (when its req_id is known) answer a notification kvd will not process.
+
+        Nothing was touched, so a repeat of it is checked afresh; the refusal is kept only for
+        Status queries, and only for an attached cache.
+        """
         req_id, cache_id = source.req_id, source.cache_id
-        self.metrics.rejections.inc(code)
-        self._rejection_log.warning(
-            code.value,
-            "rejected %s (req_id=%r cache_id=%r): %s",
-            code.value,
-            req_id,
-            cache_id,
-            message,
-        )
+        if counted:
+            self.metrics.rejections.inc(code)
+            self._rejection_log.warning(
+                code.value,
+                "rejected %s (req_id=%.200r cache_id=%.200r): %s",
+                code.value,
+                req_id,
+                cache_id,
+                message,
+            )
         if not req_id:
             return  # nobody to answer: counted and logged only
+        attached = cache_id in self.registry
+        ids = getattr(source, "physical_block_ids", [])
         self.publisher.publish(
-            cache_id,
+            cache_id if attached else UNATTACHED_TOPIC,
             Failed(
                 req_id=req_id,
                 cache_id=cache_id,
                 code=code,
                 message=message,
-                invalid_block_ids=source.physical_block_ids,
+                invalid_block_ids=ids[:_IDS_IN_REJECTIONS],
                 remote_engine_id=source.remote_engine_id,
+                generation=source.generation,
+                epoch=self.publisher.epoch,
             ),
         )
         self.metrics.events.value += 1
-        if self.ledger.get(req_id) is None:
-            self.ledger.remember(req_id, cache_id, code, message)
+        if attached:
+            self.ledger.untouched.put(
+                Outcome(cache_id, req_id, source.generation, code, message, [], "")
+            )
 
     # -- batching and execution -----------------------------------------------------------------
 
@@ -232,62 +294,136 @@ class Pipeline:
 
     def _launch(self, batches: list[Batch]) -> None:
         items = []
+        launches: list[Launch] = []
         now = time.monotonic_ns()
         for batch in batches:
             cache = self.registry.get(batch.cache_id)
             assert cache is not None, "a cache cannot be detached while requests are in flight"
+            problem = cache.lost or cache.memory_problem()
+            if problem is not None:
+                # Checked before anything is touched: these requests fail untouched.
+                cache.lost = problem
+                for request in batch.requests:
+                    self._finish_untouched(request, Reason.MEMORY_UNAVAILABLE, problem)
+                continue
             for request in batch.requests:
                 self.ledger.advance(request, State.LAUNCHED)
                 self.metrics.queue_wait.observe((now - request.received_ns) / 1e9)
+                launches.append(request.launch_record())
             block_ids = batch.block_ids()
-            groups = cache.groups(batch.block_size_ratio, batch.remote_layout)
+            ratio = cache.block_size // batch.remote_block_size
+            assert isinstance(batch.remote_format, str)
+            groups = cache.groups(ratio, batch.remote_format)
             items.append(WorkItem(batch, groups, block_ids, len(block_ids) * cache.work_bytes))
             self.metrics.batch_blocks.observe(batch.num_blocks)
             self.metrics.batches.value += 1
+        if not items:
+            return
+        # On record before any byte moves: a crash from here on is reported by the next start.
+        self.journal.launched(launches)
         self.executor.submit(Job(items))
 
     def _job_done(self, job: Job) -> None:
+        if self.closing:
+            return  # the sockets are going: the next start reports these as interrupted
         self.metrics.transform.observe((job.finished_ns - job.started_ns) / 1e9)
+        finished: list[tuple[Request, Outcome]] = []
         for item in job.items:
             if item.error is None:
                 self.metrics.blocks.value += len(item.block_ids)
                 self.metrics.bytes.value += item.nbytes
+            elif item.lost is not None:
+                cache = self.registry.get(item.batch.cache_id)
+                if cache is not None:
+                    cache.lost = item.lost
             for request in item.batch.requests:
-                if request.state == State.PUBLISHED:
-                    continue  # already answered by fail_unfinished on a forced exit
                 self.ledger.advance(request, State.DONE)
                 if item.error is not None:
                     request.error = (Reason.TRANSFORM_FAILED, item.error)
-                self._finish(request)
+                finished.append((request, self._outcome(request)))
+        if self._crash_at == "after_transform":
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.journal.finished(outcome for _, outcome in finished)
+        for request, outcome in finished:
+            self._finish(request, outcome)
+        self.journal.rotate_if_full(r.launch_record() for r in self.ledger.launched())
         self.kick()
 
-    def _finish(self, request: Request) -> None:
-        """Publish the one event of a DONE request and retire it from the ledger."""
+    def _outcome(self, request: Request) -> Outcome:
+        code, message = request.error or ("", "")
+        return Outcome(
+            request.cache_id,
+            request.req_id,
+            request.generation,
+            code,
+            message,
+            request.physical_block_ids,
+            request.remote_engine_id,
+        )
+
+    def _finish(self, request: Request, outcome: Outcome | None) -> None:
+        """Publish the one event of a request and retire it from the ledger; ``outcome`` is
+        remembered when the request's blocks were touched."""
         elapsed_ns = time.monotonic_ns() - request.received_ns
-        if request.error is None:
-            event: Ready | Failed = Ready(
+        code, message = request.error or ("", "")
+        self.publisher.publish(request.cache_id, self._event(request, code, message, elapsed_ns))
+        self._count_answer(not code, elapsed_ns)
+        self.ledger.publish(request, outcome)
+        if self._drained is not None and not self.ledger and not self._drained.done():
+            self._drained.set_result(None)
+
+    def _finish_untouched(self, request: Request, code: Reason, message: str) -> None:
+        request.error = (code, message)
+        self.metrics.rejections.inc(code)
+        self._finish(request, None)
+        self.ledger.untouched.put(self._outcome(request))
+
+    def _event(self, request: Request, code: str, message: str, elapsed_ns: int) -> Ready | Failed:
+        if not code:
+            return Ready(
                 req_id=request.req_id,
                 cache_id=request.cache_id,
                 physical_block_ids=request.physical_block_ids,
                 remote_engine_id=request.remote_engine_id,
                 elapsed_us=elapsed_ns // 1000,
+                generation=request.generation,
+                epoch=self.publisher.epoch,
             )
-            code = message = ""
+        return Failed(
+            req_id=request.req_id,
+            cache_id=request.cache_id,
+            code=code,
+            message=message,
+            invalid_block_ids=request.physical_block_ids,
+            remote_engine_id=request.remote_engine_id,
+            generation=request.generation,
+            epoch=self.publisher.epoch,
+        )
+
+    def _publish_outcome(self, outcome: Outcome) -> None:
+        """Publish a recorded outcome again (a repeated notification, or after a restart)."""
+        if outcome.code:
+            event: Ready | Failed = Failed(
+                req_id=outcome.req_id,
+                cache_id=outcome.cache_id,
+                code=outcome.code,
+                message=outcome.message,
+                invalid_block_ids=outcome.block_ids,
+                remote_engine_id=outcome.remote_engine_id,
+                generation=outcome.generation,
+                epoch=self.publisher.epoch,
+            )
         else:
-            code, message = request.error
-            event = Failed(
-                req_id=request.req_id,
-                cache_id=request.cache_id,
-                code=code,
-                message=message,
-                invalid_block_ids=request.physical_block_ids,
-                remote_engine_id=request.remote_engine_id,
+            event = Ready(
+                req_id=outcome.req_id,
+                cache_id=outcome.cache_id,
+                physical_block_ids=outcome.block_ids,
+                remote_engine_id=outcome.remote_engine_id,
+                generation=outcome.generation,
+                epoch=self.publisher.epoch,
             )
-        self.publisher.publish(request.cache_id, event)
-        self._count_answer(not code, elapsed_ns)
-        self.ledger.publish(request, code, message)
-        if self._drained is not None and not self.ledger and not self._drained.done():
-            self._drained.set_result(None)
+        self.publisher.publish(outcome.cache_id, event)
+        self.metrics.events.value += 1
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -299,6 +435,10 @@ class Pipeline:
     async def drain(self, timeout: float) -> bool:
         """Stop accepting, finish everything accepted, publish it; True if done in time."""
         self.stop_accepting()
+        return await self.wait_idle(timeout)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s until no request is in flight; True if none is."""
         if not self.ledger:
             return True
         self._drained = self.loop.create_future()
@@ -308,16 +448,19 @@ class Pipeline:
             return False
         return True
 
-    def fail_unfinished(self, code: Reason, message: str) -> int:
-        """Answer every request still in flight with Failed (forced exit); returns how many."""
-        requests = self.ledger.requests()
+    def fail_unlaunched(self, message: str) -> int:
+        """Answer every request not yet launched with Failed(shutting_down): nothing of theirs
+        was touched. Launched ones are left alone: their executor may still be writing, so
+        either they finish and are published, or the journal reports them at the next start.
+        Returns how many were failed."""
         self.batcher.take_all()
-        for request in requests:
-            while request.state < State.DONE:
-                self.ledger.advance(request, State(request.state + 1))
-            request.error = (code, message)
-            self._finish(request)
-        return len(requests)
+        waiting = [r for r in self.ledger.requests() if r.state < State.LAUNCHED]
+        for request in waiting:
+            self._finish_untouched(request, Reason.SHUTTING_DOWN, message)
+        return len(waiting)
+
+    def unfinished(self) -> Iterable[Request]:
+        return self.ledger.requests()
 
     def close(self, timeout: float | None = None) -> bool:
         self._timer.close()

@@ -1,14 +1,21 @@
-"""Completion events: sequence numbers, the replay buffer, and the PUB and replay sockets.
+"""Completion events: sequence numbers, the replay buffer, the PUB socket and the replay thread.
 
 Frames are (topic, seq, payload): topic is the cache id in UTF-8, seq an 8-byte big-endian
-count per topic starting at 1, payload a msgpack ``Ready`` or ``Failed``. A subscriber that sees
-a gap asks the replay socket for the events from the first missing seq; the answer ends with an
-``END_SEQ`` frame carrying a ``ReplayEnd`` that says what the buffer still held.
+count per topic starting at 1, payload a msgpack ``Ready`` or ``Failed`` carrying the daemon's
+epoch. A subscriber that sees a gap asks the replay socket for the events from the first missing
+seq; the answer ends with an ``END_SEQ`` frame carrying a ``ReplayEnd`` that says what the
+buffer still held.
+
+Replays are served by a thread of their own, so a replay of the whole buffer never stalls the
+event loop; the buffer is bounded by events per topic and by bytes in all, and a replay goes out
+through a bounded queue per peer, so a peer that does not read cannot make kvd hold more.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -24,6 +31,11 @@ log = logging.getLogger(__name__)
 _MORE = int(zmq.SNDMORE) | int(zmq.NOBLOCK)
 _LAST = int(zmq.NOBLOCK)
 
+REPLAY_QUEUE = 1024
+"""Frames queued per replaying peer before kvd waits for it to read."""
+REPLAY_STALL_S = 5.0
+"""How long a replay waits for a peer that stopped reading before giving up on it."""
+
 
 @dataclass(slots=True)
 class _Topic:
@@ -33,51 +45,78 @@ class _Topic:
 
 
 class EventLog:
-    """Per-topic sequence numbers and the last ``capacity`` encoded events of each topic."""
+    """Per-topic sequence numbers and the recent encoded events of each topic.
 
-    def __init__(self, capacity: int) -> None:
+    Holds at most ``capacity`` events per topic and ``max_bytes`` of payloads in all (the
+    oldest events of all go first). Appends come from the event loop, reads from the replay
+    thread: a lock guards both, held only to copy references.
+    """
+
+    def __init__(self, capacity: int, max_bytes: int = 256 << 20) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
+        self.max_bytes = max_bytes
+        self.nbytes = 0
         self._topics: dict[str, _Topic] = {}
+        self._order: deque[tuple[_Topic, int, int]] = deque()  # (topic, seq, size), oldest first
+        self._lock = threading.Lock()
 
     def append(self, topic: str, payload: bytes) -> tuple[bytes, int]:
         """Record one event; returns (topic frame, seq)."""
-        entry = self._topics.get(topic)
-        if entry is None:
-            entry = _Topic(topic.encode(), 1, deque(maxlen=self.capacity))
-            self._topics[topic] = entry
-        seq = entry.next_seq
-        entry.next_seq += 1
-        entry.events.append((seq, payload))
-        return entry.frame, seq
+        with self._lock:
+            entry = self._topics.get(topic)
+            if entry is None:
+                entry = _Topic(topic.encode(), 1, deque())
+                self._topics[topic] = entry
+            seq = entry.next_seq
+            entry.next_seq += 1
+            size = len(payload)
+            entry.events.append((seq, payload))
+            self._order.append((entry, seq, size))
+            self.nbytes += size
+            if len(entry.events) > self.capacity:
+                self.nbytes -= len(entry.events.popleft()[1])
+            while self.nbytes > self.max_bytes and self._order:
+                self._evict_oldest()
+            return entry.frame, seq
+
+    def _evict_oldest(self) -> None:
+        entry, seq, _ = self._order.popleft()
+        # Per-topic order is global order, so the oldest event overall is its topic's oldest,
+        # unless the per-topic capacity already dropped it.
+        if entry.events and entry.events[0][0] == seq:
+            self.nbytes -= len(entry.events.popleft()[1])
 
     def since(self, topic: str, from_seq: int) -> tuple[list[tuple[int, bytes]], int, int]:
         """Buffered events of ``topic`` with seq >= from_seq, and the (oldest, newest) held."""
-        entry = self._topics.get(topic)
-        if entry is None or not entry.events:
-            return [], 0, 0
-        oldest, newest = entry.events[0][0], entry.events[-1][0]
-        if from_seq > newest:
-            return [], oldest, newest
-        skip = max(0, from_seq - oldest)
-        events = list(entry.events)[skip:]
+        with self._lock:
+            entry = self._topics.get(topic)
+            if entry is None or not entry.events:
+                return [], 0, 0
+            oldest, newest = entry.events[0][0], entry.events[-1][0]
+            if from_seq > newest:
+                return [], oldest, newest
+            skip = max(0, from_seq - oldest)
+            events = [entry.events[i] for i in range(skip, len(entry.events))]
         return events, oldest, newest
 
     def last_seq(self, topic: str) -> int:
-        entry = self._topics.get(topic)
-        return entry.next_seq - 1 if entry else 0
+        with self._lock:
+            entry = self._topics.get(topic)
+            return entry.next_seq - 1 if entry else 0
 
 
 class Publisher:
-    """Publishes events on a PUB socket and answers replay requests on a ROUTER socket."""
+    """Publishes events on a PUB socket; ``ReplayServer`` answers replays from its log."""
 
-    def __init__(self, pub: zmq.Socket[bytes], log_capacity: int, epoch: int = 0) -> None:
+    def __init__(
+        self, pub: zmq.Socket[bytes], log_capacity: int, epoch: int, log_bytes: int = 256 << 20
+    ) -> None:
         self._pub = pub
         self.epoch = epoch
         self._encoder = msgspec.msgpack.Encoder()
-        self._replay_decoder = msgspec.msgpack.Decoder(Replay)
-        self.log = EventLog(log_capacity)
+        self.log = EventLog(log_capacity, log_bytes)
 
     def publish(self, topic: str, event: Event) -> int:
         payload = self._encoder.encode(event)
@@ -89,30 +128,95 @@ class Publisher:
         raw_send(pub, payload, _LAST)
         return seq
 
-    def answer_replay(self, router: zmq.Socket[bytes], frames: list[bytes]) -> None:
-        """Answer one replay request received on ``router`` (frames include the identity)."""
-        identity, envelope, body = frames[0], frames[1:-1], frames[-1]
+
+class ReplayServer:
+    """Answers ``Replay`` requests on a ROUTER socket from a thread of its own.
+
+    The socket belongs to the thread from ``start`` on. Each answer is the buffered events
+    from the requested seq, then a ``ReplayEnd``; a peer that stops reading for
+    ``REPLAY_STALL_S`` or goes away is given up on (its subscription asks again).
+    """
+
+    def __init__(self, sock: zmq.Socket[bytes], events: EventLog, epoch: int) -> None:
+        self._sock = sock
+        sock.setsockopt(zmq.SNDHWM, REPLAY_QUEUE)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._log = events
+        self._epoch = epoch
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(Replay)
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvd-replay", daemon=True)
+        self.answered = 0
+        self.abandoned = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self._stopping.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        sock = self._sock
+        while not self._stopping.is_set():
+            if not sock.poll(100, zmq.POLLIN):
+                continue
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                continue
+            try:
+                self._answer(frames)
+            # One bad request must not end the thread that serves every replay.
+            except Exception:
+                log.exception("replay request failed")
+
+    def _answer(self, frames: list[bytes]) -> None:
+        if len(frames) < 2:
+            return
+        envelope, body = frames[:-1], frames[-1]
         try:
-            request = self._replay_decoder.decode(body)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            request = self._decoder.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
             log.warning("undecodable replay request: %s", exc)
             end = ReplayEnd(
                 topic="",
                 oldest_seq=0,
                 newest_seq=0,
-                epoch=self.epoch,
+                epoch=self._epoch,
                 code=Reason.INVALID_MESSAGE,
-                message=str(exc),
+                message=str(exc)[:1000],
             )
-            router.send_multipart(
-                [identity, *envelope, b"", encode_seq(END_SEQ), self._encoder.encode(end)]
-            )
+            self._send([*envelope, b"", encode_seq(END_SEQ), self._encoder.encode(end)])
             return
-        events, oldest, newest = self.log.since(request.topic, request.from_seq)
+        events, oldest, newest = self._log.since(request.topic, request.from_seq)
         topic = request.topic.encode()
         for seq, payload in events:
-            router.send_multipart([identity, *envelope, topic, encode_seq(seq), payload])
-        end = ReplayEnd(topic=request.topic, oldest_seq=oldest, newest_seq=newest, epoch=self.epoch)
-        router.send_multipart(
-            [identity, *envelope, topic, encode_seq(END_SEQ), self._encoder.encode(end)]
+            if not self._send([*envelope, topic, encode_seq(seq), payload]):
+                self.abandoned += 1
+                return
+        end = ReplayEnd(
+            topic=request.topic, oldest_seq=oldest, newest_seq=newest, epoch=self._epoch
         )
+        if self._send([*envelope, topic, encode_seq(END_SEQ), self._encoder.encode(end)]):
+            self.answered += 1
+
+    def _send(self, frames: list[bytes]) -> bool:
+        """Send one answer frame set; False when the peer is gone or stopped reading."""
+        deadline = time.monotonic() + REPLAY_STALL_S
+        while True:
+            try:
+                self._sock.send_multipart(frames, zmq.NOBLOCK)
+                return True
+            except zmq.Again:
+                # The peer's queue is full (or it is still connecting): wait for it to read.
+                if time.monotonic() > deadline or self._stopping.is_set():
+                    log.warning("replay peer stopped reading; its replay is abandoned")
+                    return False
+                time.sleep(0.001)
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.EHOSTUNREACH:
+                    return False  # the peer disconnected
+                raise

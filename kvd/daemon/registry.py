@@ -1,39 +1,20 @@
-"""Attached KV caches: opens the engine's tensors (shared memory on CPU, CUDA IPC on GPU).
+"""Attached KV caches: the only references kvd holds to engine memory, by cache id.
 
-The registry owns the only references kvd holds to engine memory. Opening happens off the event
-loop (``Registry.open`` runs in a worker thread); lookups are plain dict reads.
+Registration only: ``attach.py`` opens an Attach's memory off the event loop; ``add`` makes the
+cache visible on the loop, atomically with respect to ingest, after checking that none of its
+bytes is already reachable through another attached tensor.
 """
 
 from __future__ import annotations
 
-import ctypes
-import logging
-import os
-import re
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from kvd.dtypes import torch_dtype
-from kvd.geometry import GeometryError, TensorGeometry, cache_geometry
-from kvd.postprocess import BlockRows, Group, block_rows, plan_groups
-from kvd.protocol import Attach, CudaIpcRef, Reason, ShmRef, TensorSpec
-from kvd.shm import SHM_DIR
-
-log = logging.getLogger(__name__)
-
-_SHM_NAME = re.compile(r"^[A-Za-z0-9._-]{1,255}$")
-
-
-class AttachError(Exception):
-    """An Attach that cannot be honoured; ``code`` is a ``Reason`` for the Error reply."""
-
-    def __init__(self, code: Reason, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+from kvd.daemon.memory import AttachError, SharedSegment, Span
+from kvd.geometry import TensorGeometry
+from kvd.postprocess import BlockRows, Group, plan_groups
+from kvd.protocol import Reason, TensorSpec
 
 
 @dataclass(slots=True)
@@ -42,6 +23,15 @@ class AttachedTensor:
     geometry: TensorGeometry
     tensor: torch.Tensor
     """The engine's tensor in its physical shape and dtype."""
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """Who attached a cache: the control connection's routing id, and the engine's id."""
+
+    routing_id: bytes
+    engine_id: str
 
 
 @dataclass(slots=True)
@@ -51,8 +41,13 @@ class AttachedCache:
     num_blocks: int
     block_size: int
     device: torch.device
+    owner: Owner
+    segments: list[tuple[SharedSegment, int]] = field(default_factory=list)
+    """Each shared-memory segment and the end of the bytes the cache uses in it."""
     views: list[BlockRows] = field(default_factory=list)
     """What the post-process works on: raw row views, two per split tensor, none for MLA."""
+    lost: str | None = None
+    """Why the cache's memory can no longer be touched (set once; requests then fail)."""
     _groups: dict[tuple[int, str], list[Group]] = field(default_factory=dict)
 
     def groups(self, ratio: int, remote_layout: str) -> list[Group]:
@@ -70,6 +65,18 @@ class AttachedCache:
 
     def needs_work(self, ratio: int, remote_layout: str) -> bool:
         return bool(self.groups(ratio, remote_layout))
+
+    def memory_problem(self) -> str | None:
+        """Why the cache's memory cannot be touched now (a segment shrank), or None."""
+        for segment, end in self.segments:
+            problem = segment.shrank(end)
+            if problem:
+                return problem
+        return None
+
+    def close(self) -> None:
+        for segment, _ in self.segments:
+            segment.close()
 
     @property
     def nbytes(self) -> int:
@@ -98,182 +105,39 @@ class Registry:
     def caches(self) -> list[AttachedCache]:
         return list(self._caches.values())
 
-    def open(self, request: Attach) -> AttachedCache:
-        """Check and open an Attach's tensors (blocking I/O: call from a worker thread).
-
-        The result is not registered yet: ``add`` does that on the event loop, so a cache id
-        becomes visible atomically with respect to ingest.
-        """
-        if not request.cache_id:
-            raise AttachError(Reason.INVALID_CACHE, "cache_id: must not be empty")
-        try:
-            geometries = cache_geometry(request.tensors)
-        except GeometryError as exc:
-            raise AttachError(Reason.INVALID_CACHE, str(exc)) from exc
-        mappings: dict[bytes, Any] = {}  # one CUDA IPC mapping per allocation
-        tensors = [
-            AttachedTensor(
-                spec, geometry, self._open_tensor(spec, geometry, f"tensors[{i}]", mappings)
-            )
-            for i, (spec, geometry) in enumerate(zip(request.tensors, geometries, strict=True))
-        ]
-        cache = AttachedCache(
-            cache_id=request.cache_id,
-            tensors=tensors,
-            num_blocks=geometries[0].num_blocks,
-            block_size=geometries[0].block_size,
-            device=self.device,
-            views=_row_views(tensors),
-        )
-        if self.device.type == "cuda":
-            warm_up(cache)
-        return cache
-
     def add(self, cache: AttachedCache) -> None:
+        """Register ``cache``; refuses a known id and memory that another tensor reaches."""
         if cache.cache_id in self._caches:
             raise AttachError(Reason.CACHE_EXISTS, f"cache {cache.cache_id!r} is already attached")
-        self._caches[cache.cache_id] = cache
-
-    def remove(self, cache_id: str) -> AttachedCache:
-        return self._caches.pop(cache_id)
-
-    def _open_tensor(
-        self, spec: TensorSpec, geometry: TensorGeometry, where: str, mappings: dict[bytes, Any]
-    ) -> torch.Tensor:
-        memory = spec.memory
-        if isinstance(memory, ShmRef):
-            if self.device.type != "cpu":
-                raise AttachError(
-                    Reason.INVALID_CACHE,
-                    f"{where}.memory: shared memory needs a CPU daemon; this kvd runs on "
-                    f"{self.device}, attach with a cuda_ipc handle",
-                )
-            raw = open_shm(memory, geometry.nbytes, where)
-        elif isinstance(memory, CudaIpcRef):
-            raw = self._open_cuda_ipc(memory, geometry.nbytes, where, mappings)
-        dtype = torch_dtype(spec.dtype)
-        if memory.offset % dtype.itemsize:
-            raise AttachError(
-                Reason.INVALID_CACHE,
-                f"{where}.memory.offset: {memory.offset} is not a multiple of the {spec.dtype} "
-                f"item size {dtype.itemsize}",
-            )
-        return raw.view(dtype).view(spec.shape)
-
-    def _open_cuda_ipc(
-        self, memory: CudaIpcRef, nbytes: int, where: str, mappings: dict[bytes, Any]
-    ) -> torch.Tensor:
-        if self.device.type != "cuda":
-            raise AttachError(
-                Reason.INVALID_CACHE,
-                f"{where}.memory: cuda_ipc memory needs a daemon started with --device cuda",
-            )
-        from kvd import cudaipc
-
-        problem = cudaipc.check_handle(memory, where)
+        problem = self.overlap(cache)
         if problem:
             raise AttachError(Reason.INVALID_CACHE, problem)
-        mine = cudaipc.device_uuid(self.device)
-        if memory.device_uuid and not cudaipc.same_device(memory.device_uuid, mine):
-            raise AttachError(
-                Reason.INVALID_CACHE,
-                f"{where}.memory.device_uuid: the tensor is on {memory.device_uuid}, this kvd "
-                f"serves {mine} ({self.device})",
-            )
-        try:
-            mapping = mappings.get(memory.handle)
-            if mapping is None:
-                mapping = mappings[memory.handle] = cudaipc.IpcMapping(memory, self.device)
-            return mapping.tensor(memory.offset, nbytes)
-        except cudaipc.CudaIpcError as exc:
-            raise AttachError(Reason.MEMORY_UNAVAILABLE, f"{where}.memory: {exc}") from exc
+        self._caches[cache.cache_id] = cache
 
+    def overlap(self, cache: AttachedCache) -> str | None:
+        """Why some byte of ``cache`` is reachable twice (within it or through another cache)."""
+        seen: list[tuple[str, str, Span]] = [
+            (other.cache_id, t.spec.name, t.span)
+            for other in self._caches.values()
+            for t in other.tensors
+        ]
+        for i, t in enumerate(cache.tensors):
+            for owner, name, span in seen:
+                if t.span.overlaps(span):
+                    where = (
+                        "another tensor of this Attach"
+                        if owner == cache.cache_id
+                        else (f"cache {owner!r}")
+                    )
+                    return (
+                        f"tensors[{i}].memory: bytes {t.span.start}..{t.span.end} overlap "
+                        f"{name!r} of {where} (bytes {span.start}..{span.end}); kvd would "
+                        "rewrite them twice"
+                    )
+            seen.append((cache.cache_id, t.spec.name, t.span))
+        return None
 
-def warm_up(cache: AttachedCache) -> None:
-    """Compile the CUDA kernels for this cache's geometries now, not on its first request.
-
-    Runs the kernel on a one-block scratch copy of each geometry, never on the engine's memory.
-    """
-    seen = set()
-    for view in cache.views:
-        rows = view.rows
-        key = (rows.shape[1:], rows.dtype)
-        if key in seen:
-            continue
-        seen.add(key)
-        scratch = torch.zeros((1, *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
-        dummy = BlockRows(scratch, view.layout, view.block_size, view.num_heads, view.kv_parts)
-        for ratio in (1, 2):
-            if view.block_size % ratio == 0:
-                for group in plan_groups([dummy], ratio=ratio, remote_layout="HND"):
-                    group.apply([0])
-    torch.cuda.synchronize(cache.device)
-
-
-def open_shm(memory: ShmRef, nbytes: int, where: str = "memory") -> torch.Tensor:
-    """Map ``nbytes`` of ``/dev/shm/<name>`` from ``memory.offset`` as a shared uint8 tensor."""
-    if not _SHM_NAME.match(memory.name) or memory.name in (".", ".."):
-        raise AttachError(
-            Reason.INVALID_CACHE,
-            f"{where}.memory.name: {memory.name!r} is not a shared-memory name "
-            "(letters, digits, '.', '_', '-'; no '/')",
-        )
-    path = os.path.join(SHM_DIR, memory.name)
-    try:
-        size = os.stat(path).st_size
-    except OSError as exc:
-        raise AttachError(
-            Reason.MEMORY_UNAVAILABLE, f"{where}.memory: cannot open {path}: {exc.strerror}"
-        ) from exc
-    end = memory.offset + nbytes
-    if size < end:
-        raise AttachError(
-            Reason.MEMORY_UNAVAILABLE,
-            f"{where}.memory: {path} holds {size} bytes, the tensor needs bytes "
-            f"{memory.offset}..{end}",
-        )
-    try:
-        mapped = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-    except RuntimeError as exc:
-        raise AttachError(
-            Reason.MEMORY_UNAVAILABLE, f"{where}.memory: cannot map {path}: {exc}"
-        ) from exc
-    populate(mapped)
-    return mapped[memory.offset : end]
-
-
-_MADV_POPULATE_WRITE = 23  # Linux 5.14+
-
-
-def populate(tensor: torch.Tensor) -> None:
-    """Fill in kvd's page tables for a shared mapping now, without touching its bytes.
-
-    Otherwise the first post-process of every page pays a page fault in kvd's process (a
-    mapping's page tables are per process, however warm the engine's are).
-    """
-    libc = ctypes.CDLL(None, use_errno=True)
-    page = os.sysconf("SC_PAGE_SIZE")
-    start = tensor.data_ptr() // page * page
-    length = tensor.data_ptr() + tensor.numel() * tensor.element_size() - start
-    if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_POPULATE_WRITE):
-        log.debug("madvise(MADV_POPULATE_WRITE) failed: %s", os.strerror(ctypes.get_errno()))
-
-
-def _row_views(tensors: Sequence[AttachedTensor]) -> list[BlockRows]:
-    views = []
-    for t in tensors:
-        g = t.geometry
-        if g.arrangement == "mla":
-            continue  # no head axis: nothing to rewrite
-        parts = [t.tensor[0], t.tensor[1]] if g.arrangement == "split" else [t.tensor]
-        for part in parts:
-            views.append(
-                block_rows(
-                    part,
-                    layout=g.layout,
-                    block_size=g.block_size,
-                    num_heads=g.num_heads,
-                    kv_parts=g.kv_parts,
-                )
-            )
-    return views
+    def remove(self, cache_id: str) -> AttachedCache:
+        cache = self._caches.pop(cache_id)
+        cache.close()
+        return cache

@@ -25,10 +25,11 @@ from kvd import __version__
 from kvd.daemon.config import Config
 from kvd.daemon.control import Control
 from kvd.daemon.executor import CudaExecutor, Executor, Job
+from kvd.daemon.journal import Journal, JournalError
 from kvd.daemon.metrics import Metrics
 from kvd.daemon.metrics_http import MetricsServer, parse_metrics_addr
 from kvd.daemon.pipeline import Pipeline
-from kvd.daemon.publisher import Publisher
+from kvd.daemon.publisher import Publisher, ReplayServer
 from kvd.daemon.registry import Registry
 from kvd.daemon.sdnotify import Notifier
 from kvd.daemon.sockets import (
@@ -38,14 +39,21 @@ from kvd.daemon.sockets import (
     bind,
     normalize_endpoint,
     prepare_runtime_dir,
+    remove_runtime_files,
     write_endpoints,
 )
 from kvd.daemon.timers import Every
 from kvd.endpoints import Endpoints, default_runtime_dir
 from kvd.kernels import cpu as kernels_cpu
-from kvd.protocol import Reason
 
 log = logging.getLogger(__name__)
+
+INGEST_QUEUE = 65536
+"""Notifications queued per engine connection before its PUSH waits."""
+EVENTS_QUEUE = 1_000_000
+"""Events queued per subscriber before it misses some (and replays them)."""
+EXECUTOR_GRACE_S = 1.0
+"""On a drain timeout, how long the running post-process may still take to finish."""
 
 # How often STATUS= is refreshed for `systemctl status` (only sent when it changed).
 STATUS_INTERVAL_S = 5.0
@@ -97,6 +105,7 @@ class Server:
         self._registry: Registry | None = None
         self._control: Control | None = None
         self._ingest_reader: SocketReader | None = None
+        self._replay: ReplayServer | None = None
         self._metrics_server: MetricsServer | None = None
         self._timers: list[Every] = []
         self._last_status = ""
@@ -149,12 +158,14 @@ class Server:
         # A hard ceiling well above the limit we report on, so oversized frames still get a
         # Failed answer instead of a silent disconnect.
         ingest.setsockopt(zmq.MAXMSGSIZE, max(16 * config.max_message_bytes, 64 << 20))
-        ingest.setsockopt(zmq.RCVHWM, 0)
+        # Past this many queued notifications the engine's PUSH waits: memory stays bounded.
+        ingest.setsockopt(zmq.RCVHWM, INGEST_QUEUE)
         events = self._socket(zmq.PUB)
-        events.setsockopt(zmq.SNDHWM, 1_000_000)
+        events.setsockopt(zmq.SNDHWM, EVENTS_QUEUE)
         replay = self._socket(zmq.ROUTER)
-        replay.setsockopt(zmq.SNDHWM, 0)  # a replay answer is bounded by the buffer
         control = self._socket(zmq.ROUTER)
+        # Larger control frames close the sender's connection instead of being read.
+        control.setsockopt(zmq.MAXMSGSIZE, 2 * config.max_message_bytes)
         bound = {
             "control": bind(control, wanted["control"], "control"),
             "ingest": bind(ingest, wanted["ingest"], "ingest"),
@@ -164,8 +175,14 @@ class Server:
 
         registry = Registry(device)
         self._registry = registry
+        journal = Journal(runtime_dir, config.journal_max_bytes)
+        try:
+            recovered = journal.recover()
+        except JournalError as exc:
+            raise StartupError(f"journal: {exc}") from exc
         # A fresh epoch per start lets subscribers tell a restart (seqs begin at 1 again).
-        publisher = Publisher(events, config.replay_buffer, epoch=secrets.randbits(63))
+        epoch = secrets.randbits(63)
+        publisher = Publisher(events, config.replay_buffer, epoch, config.replay_buffer_bytes)
         executor_factory = None
         if device.type == "cuda":
 
@@ -179,12 +196,23 @@ class Server:
             registry,
             publisher,
             self.metrics,
+            journal,
             batch_window_us=config.batch_window_us,
             max_batch_blocks=config.max_batch_blocks,
             max_message_bytes=config.max_message_bytes,
             executor_factory=executor_factory,
         )
         self._pipeline = pipeline
+        try:
+            interrupted = pipeline.recover(recovered)
+        except JournalError as exc:
+            raise StartupError(f"journal: {exc}") from exc
+        if interrupted:
+            log.warning(
+                "%d requests were being rewritten when the last kvd stopped: answered with "
+                "Failed(interrupted)",
+                interrupted,
+            )
         self._control = Control(control, registry, pipeline, self.metrics, config)
         self.metrics.gauge(
             "kvd_in_flight_requests",
@@ -203,15 +231,25 @@ class Server:
         write_endpoints(runtime_dir, self.endpoints)
 
         self._ingest_reader = SocketReader(
-            loop, ingest, pipeline.on_ingest, after=pipeline.kick, multipart=False, sends=False
+            loop,
+            ingest,
+            pipeline.on_ingest,
+            after=pipeline.kick,
+            multipart=False,
+            sends=False,
+            on_error=lambda _: self.metrics.handler_errors.inc("ingest"),
         )
-        control_reader = SocketReader(loop, control, self._control.on_request)
+        control_reader = SocketReader(
+            loop,
+            control,
+            self._control.on_request,
+            copy=False,
+            on_error=lambda _: self.metrics.handler_errors.inc("control"),
+        )
         self._control.after_reply = control_reader.poke
-        self._readers = [
-            self._ingest_reader,
-            control_reader,
-            SocketReader(loop, replay, lambda frames: publisher.answer_replay(replay, frames)),
-        ]
+        self._readers = [self._ingest_reader, control_reader]
+        self._replay = ReplayServer(replay, publisher.log, epoch)
+        self._replay.start()
         for sig in _HANDLED_SIGNALS:
             loop.add_signal_handler(sig, self.handle_exit, sig)
         log.info(
@@ -305,21 +343,30 @@ class Server:
         if pipeline is not None:
             if not self.force_exit and not await self._drain(pipeline):
                 clean = False
-            left = len(pipeline.ledger)
-            if left:
-                failed = pipeline.fail_unfinished(
-                    Reason.SHUTTING_DOWN, "kvd exited before the post-process finished"
-                )
-                log.error("exit with %d requests unfinished: answered them with Failed", failed)
+            failed = pipeline.fail_unlaunched("kvd stopped before it started on these blocks")
+            if failed:
+                log.error("exit with %d requests not started: answered with Failed", failed)
                 clean = False
             if self._ingest_reader is not None:
                 # Notifications that reached the socket during the drain get their Failed now.
                 self._ingest_reader.flush()
-            # A forced exit does not wait for a transform in progress; its requests are answered.
-            if not pipeline.close(timeout=0.1 if self.force_exit else 1.0):
+            if len(pipeline.ledger) and not self.force_exit:
+                # A job still running: its own outcome is better news than a later "interrupted".
+                await pipeline.wait_idle(EXECUTOR_GRACE_S)
+            left = len(pipeline.ledger)
+            # Never announce a Failed for blocks that may still be written: the journal holds
+            # these launches, and the next start answers them with Failed(interrupted).
+            pipeline.closing = True
+            if left:
+                log.error(
+                    "exit with %d requests still being rewritten: the next kvd started on %s "
+                    "answers them with Failed(interrupted)",
+                    left,
+                    self._runtime_dir,
+                )
+                clean = False
+            if not pipeline.close(timeout=0.0 if left else 1.0):
                 self.work_abandoned = True
-                if not self.force_exit:
-                    log.error("executor did not stop in time")
                 clean = False
         if self._control is not None:
             await self._control.close()
@@ -352,6 +399,9 @@ class Server:
         for reader in self._readers:
             reader.close()
         self._readers = []
+        if self._replay is not None:
+            self._replay.stop()
+            self._replay = None
         self._ingest_reader = None
         for sock in self._sockets:
             # Let queued events reach subscribers, but never hang the exit on a dead peer.
@@ -361,8 +411,12 @@ class Server:
             self._ctx.term()
             self._ctx = None
         if self._lock is not None:
-            self._lock.release()
+            assert self._runtime_dir is not None
+            remove_runtime_files(self._runtime_dir, self.endpoints)
+            self._lock.release(remove=True)
             self._lock = None
+        if self._pipeline is not None:
+            self._pipeline.journal.close()
         loop = asyncio.get_running_loop()
         for sig in _HANDLED_SIGNALS:
             loop.remove_signal_handler(sig)

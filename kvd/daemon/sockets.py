@@ -13,15 +13,21 @@ import errno
 import fcntl
 import functools
 import json
+import logging
 import os
 import re
+import secrets
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import zmq
 
-from kvd.endpoints import ENDPOINTS_FILE, Endpoints
+from kvd.daemon.logs import RateLimitedLog
+from kvd.endpoints import ENDPOINT_NAMES, ENDPOINTS_FILE, Endpoints
+
+log = logging.getLogger(__name__)
 
 LOCK_FILE = "kvd.lock"
 
@@ -58,11 +64,48 @@ def normalize_endpoint(spec: str, runtime_dir: Path, name: str) -> str:
 
 
 def prepare_runtime_dir(path: Path) -> None:
-    """Create the runtime directory if needed (systemd creates it under a unit)."""
+    """Create the runtime directory if needed (systemd creates it under a unit) and check that
+    nobody else controls it.
+
+    kvd writes its lock, its journal and its sockets there: the directory, and the one above
+    it, must be real directories owned by kvd's user (or root) that no other user can write to
+    (a sticky directory such as /tmp may be world-writable above). It is made 0750, so the
+    engine's group can reach the sockets.
+    """
+    for parent in reversed(path.parents):
+        if not parent.exists():
+            try:
+                parent.mkdir(mode=0o700)
+            except FileExistsError:
+                pass
+            except OSError as exc:
+                raise EndpointError(f"runtime_dir: cannot create {parent}: {exc.strerror}") from exc
     try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.mkdir(mode=0o750)
+    except FileExistsError:
+        pass
     except OSError as exc:
         raise EndpointError(f"runtime_dir: cannot create {path}: {exc.strerror}") from exc
+    for directory in (path, path.parent):
+        problem = _untrusted_dir(directory, own=directory == path)
+        if problem:
+            raise EndpointError(f"runtime_dir: {directory} {problem}")
+
+
+def _untrusted_dir(path: Path, *, own: bool) -> str | None:
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        return f"cannot be inspected: {exc.strerror}"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory (a symbolic link?)"
+    owners = {os.geteuid()} if own else {os.geteuid(), 0}
+    if st.st_uid not in owners:
+        return f"belongs to uid {st.st_uid}, not to kvd's user (uid {os.geteuid()})"
+    sticky = bool(st.st_mode & stat.S_ISVTX)
+    if st.st_mode & stat.S_IWOTH and not (sticky and not own):
+        return f"is writable by every user (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
 
 
 class RuntimeLock:
@@ -73,7 +116,10 @@ class RuntimeLock:
         self._fd = -1
 
     def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise EndpointError(f"runtime_dir: cannot open {self.path}: {exc.strerror}") from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -88,8 +134,11 @@ class RuntimeLock:
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
 
-    def release(self) -> None:
+    def release(self, *, remove: bool = False) -> None:
+        """Let go of the lock; ``remove`` deletes the file first (a clean exit)."""
         if self._fd >= 0:
+            if remove:
+                self.path.unlink(missing_ok=True)
             os.close(self._fd)
             self._fd = -1
 
@@ -97,17 +146,40 @@ class RuntimeLock:
 def write_endpoints(runtime_dir: Path, endpoints: Endpoints) -> Path:
     """Publish the bound addresses atomically for clients."""
     target = runtime_dir / ENDPOINTS_FILE
-    tmp = target.with_suffix(".tmp")
-    tmp.write_text(json.dumps(endpoints.as_dict(), indent=2) + "\n")
+    tmp = runtime_dir / f".{ENDPOINTS_FILE}.{os.getpid()}.{secrets.token_hex(4)}"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(tmp, flags, 0o644)
+    try:
+        os.write(fd, (json.dumps(endpoints.as_dict(), indent=2) + "\n").encode())
+    finally:
+        os.close(fd)
     tmp.replace(target)
     return target
 
 
+def remove_runtime_files(runtime_dir: Path, endpoints: Endpoints | None) -> None:
+    """Remove what a clean exit leaves behind: endpoints.json and the ipc socket files (the
+    journal stays: the next start reads it)."""
+    (runtime_dir / ENDPOINTS_FILE).unlink(missing_ok=True)
+    if endpoints is None:
+        return
+    for name in ENDPOINT_NAMES:
+        address = getattr(endpoints, name)
+        if address.startswith("ipc://"):
+            Path(address[len("ipc://") :]).unlink(missing_ok=True)
+
+
 def bind(sock: zmq.Socket[bytes], endpoint: str, name: str) -> str:
+    """Bind ``sock``; an ipc socket file is made 0660 (kvd's user and the engine's group)."""
+    # The socket file is created by the bind: the umask decides its mode from the start.
+    previous = os.umask(0o117) if endpoint.startswith("ipc://") else None
     try:
         sock.bind(endpoint)
     except zmq.ZMQError as exc:
         raise EndpointError(f"{name}_endpoint: cannot bind {endpoint}: {exc}") from exc
+    finally:
+        if previous is not None:
+            os.umask(previous)
     bound = sock.getsockopt(zmq.LAST_ENDPOINT)
     assert isinstance(bound, bytes)
     return bound.decode()
@@ -134,21 +206,28 @@ class SocketReader:
     ``sends=False`` says neither ``handle`` nor ``after`` sends on this socket, so the EVENTS
     query that ended the read still holds and is not repeated.
 
+    ``copy=False`` hands over ``zmq.Frame`` objects instead of bytes (multipart only).
+
     With ``multipart=False`` every frame is handed over as a message of its own: the ingest
     socket's protocol is one frame per message, and skipping the RCVMORE query per frame halves
     the cost of a read.
+
+    A failure while handling one message is contained: logged, passed to ``on_error`` (for
+    counting), and the reader goes on with the next message.
     """
 
     def __init__(
         self,
         loop: asyncio.AbstractEventLoop,
         sock: zmq.Socket[bytes],
-        handle: Callable[[list[bytes]], None],
+        handle: Callable[[list[Any]], None],
         *,
         after: Callable[[], None] | None = None,
         budget: int = 512,
         multipart: bool = True,
         sends: bool = True,
+        on_error: Callable[[BaseException], None] | None = None,
+        copy: bool = True,
     ) -> None:
         self._loop = loop
         self._sock = sock
@@ -157,8 +236,10 @@ class SocketReader:
         self._budget = budget
         self._multipart = multipart
         self._sends = sends
-        self._recv: Callable[[], list[bytes]] = (
-            functools.partial(sock.recv_multipart, _NOBLOCK)
+        self._on_error = on_error
+        self._error_log = RateLimitedLog(log)
+        self._recv: Callable[[], list[Any]] = (
+            functools.partial(sock.recv_multipart, _NOBLOCK, copy=copy)
             if multipart
             else lambda: [raw_recv(sock, _NOBLOCK)]
         )
@@ -203,14 +284,34 @@ class SocketReader:
         # zmq.Again is cheaper than a query per message.
         recv = self._recv
         try:
-            handle(recv())
+            frames = recv()
+            try:
+                handle(frames)
+            except Exception as exc:  # noqa: BLE001 (contained: one message, not the reader)
+                self._failed(exc)
             if int(_raw_get(sock, _EVENTS)) & _POLLIN:
                 for _ in range(self._budget - 1):
-                    handle(recv())
+                    frames = recv()
+                    try:
+                        handle(frames)
+                    except Exception as exc:  # noqa: BLE001 (as above)
+                        self._failed(exc)
                 self._schedule()  # budget spent: continue after other callbacks had a turn
         except zmq.Again:
             pass
         if self._after is not None:
-            self._after()
+            try:
+                self._after()
+            except Exception as exc:  # noqa: BLE001 (as above)
+                self._failed(exc)
         if self._sends:
             self.poke()  # the handler replied on this socket, which can consume the edge
+
+    def _failed(self, exc: BaseException) -> None:
+        """One message's handling raised: log it, count it, and keep reading."""
+        self._error_log.warning(
+            type(exc).__name__, "handling a message failed: %s: %.500s", type(exc).__name__, exc
+        )
+        log.debug("the failure", exc_info=exc)
+        if self._on_error is not None:
+            self._on_error(exc)
