@@ -1,4 +1,4 @@
-"""The ``kvd`` command: serve, tail, status, bench.
+"""The ``kvd`` command: serve, tail, status, demo, bench.
 
 Heavy modules (torch, the daemon) are imported inside each command so ``--help`` stays quick.
 Exit codes: 0 success, 1 failure at run time, 2 bad usage or configuration.
@@ -23,9 +23,13 @@ from kvd.tables import format_table
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # Name the command whose flags were wrong, with its usage, not the top-level one.
+        command: argparse.ArgumentParser = getattr(args, "command_parser", parser)
+        command.error(f"unrecognized arguments: {' '.join(extra)}")
     if not hasattr(args, "run"):
-        parser.print_help()
+        getattr(args, "command_parser", parser).print_help()
         return 2
     try:
         code: int = args.run(args)
@@ -42,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
             "announces when they are ready."
         ),
     )
-    parser.add_argument("--version", action="version", version=f"kvd {__version__}")
+    parser.add_argument("-V", "--version", action="version", version=f"kvd {__version__}")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
     _add_serve(commands)
     _add_tail(commands)
@@ -52,11 +56,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command(commands: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+    """A subcommand parser that ``main`` can name in usage errors."""
+    command: argparse.ArgumentParser = commands.add_parser(name, **kwargs)
+    command.set_defaults(command_parser=command)
+    return command
+
+
 # -- serve --------------------------------------------------------------------------------------
 
 
 def _add_serve(commands: Any) -> None:
-    serve = commands.add_parser(
+    serve = _command(
+        commands,
         "serve",
         help="run the daemon",
         description=(
@@ -93,7 +105,7 @@ def _default_config() -> Any:
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
-    from kvd.daemon.config import load_config
+    from kvd.daemon.config import load_config, warn_unknown_env
     from kvd.daemon.logs import setup_logging
     from kvd.daemon.server import Server
 
@@ -104,6 +116,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"kvd serve: {exc}", file=sys.stderr)
         return 2
     setup_logging(config.log_level, config.log_format)
+    warn_unknown_env()
     server = Server(config)
     code = server.run()
     if server.work_abandoned:
@@ -139,7 +152,8 @@ def _client(args: argparse.Namespace) -> Any:
 
 
 def _add_tail(commands: Any) -> None:
-    tail = commands.add_parser(
+    tail = _command(
+        commands,
         "tail",
         help="print completion events as JSON lines",
         description=(
@@ -196,7 +210,8 @@ def _tail(args: argparse.Namespace) -> int:
 
 
 def _add_status(commands: Any) -> None:
-    status = commands.add_parser(
+    status = _command(
+        commands,
         "status",
         help="show the daemon's status or one request's state",
         description="Ask a running kvd for its status: caches, counters, rejections.",
@@ -278,7 +293,8 @@ def format_status(reply: Any) -> str:
 def _add_demo(commands: Any) -> None:
     from kvd.demo import add_arguments
 
-    demo = commands.add_parser(
+    demo = _command(
+        commands,
         "demo",
         help="the whole chain with real NIXL transfers, verified byte for byte (no GPU needed)",
         description=(
@@ -305,13 +321,15 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _add_bench(commands: Any) -> None:
-    bench = commands.add_parser(
+    bench = _command(
+        commands,
         "bench",
         help="measure kvd against a baseline in the same run",
         description="Benchmarks print ratios against a baseline measured in the same run.",
     )
     which = bench.add_subparsers(title="benchmarks", metavar="BENCH")
-    pipeline = which.add_parser(
+    pipeline = _command(
+        which,
         "pipeline",
         help="notification throughput and ReadDone->Ready latency vs a bare ZMQ relay",
         description=(
@@ -358,7 +376,8 @@ def _add_bench(commands: Any) -> None:
         help="kvd's batch window for the run (default: kvd's default)",
     )
     pipeline.set_defaults(run=_bench_pipeline)
-    kernels = which.add_parser(
+    kernels = _command(
+        which,
         "kernels",
         help="the post-process vs a plain copy and the vLLM-style chain",
         description=(
