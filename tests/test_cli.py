@@ -33,6 +33,7 @@ def test_version(flag: str) -> None:
         (["serve", "--bogus"], "usage: kvd serve [-h] [--config PATH]"),
         (["status", "--bogus", "x"], "usage: kvd status [-h]"),
         (["bench", "pipeline", "--bogus"], "usage: kvd bench pipeline [-h]"),
+        (["tune", "--bogus"], "usage: kvd tune [-h]"),
     ],
 )
 def test_a_bad_flag_prints_its_commands_usage(args: list[str], usage: str) -> None:
