@@ -14,6 +14,7 @@ the smallest one whose throughput is within ``--tie`` of the highest of them.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import sys
@@ -140,6 +141,8 @@ def _check(args: argparse.Namespace) -> tuple[list[int], int]:
             f"--concurrency {args.concurrency} needs {args.concurrency * args.blocks} blocks "
             f"({args.blocks} per request); the cache has --num-blocks {args.num_blocks}"
         )
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise TuneError("--plot needs matplotlib: pip install 'kvd[tune]' (or --plot '')")
     if args.layout == args.remote_layout and args.ratio == 1:
         print(
             "kvd tune: warning: --remote-layout equals --layout and --ratio is 1, so the "
@@ -286,11 +289,7 @@ def run(args: argparse.Namespace) -> int:
     choice = recommend(results, args.objective, args.p99_slack, args.tie)
     report = _report(args, results, choice)
     if args.plot:
-        try:
-            plot(report, Path(args.plot))
-        except ImportError:
-            print("kvd tune: the plot needs matplotlib (pip install 'kvd[tune]')", file=sys.stderr)
-            return 1
+        plot(report, Path(args.plot))
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -389,6 +388,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
     rows = report["windows"]
     windows = [r["window_us"] for r in rows]
@@ -409,16 +409,22 @@ def plot(report: dict[str, Any], path: Path) -> None:
     bottom.plot(windows, [r["p50_us"] for r in rows], "o-", color="tab:green", label="p50")
     bottom.plot(windows, [r["p99_us"] for r in rows], "s-", color="tab:red", label="p99")
     bottom.set_ylabel("ReadDone -> event (us)")
-    bottom.set_yscale("log")
+    bottom.set_ylim(bottom=0)
     bottom.set_xlabel("batch window (us)")
     bottom.legend(loc="best")
+    # Windows usually grow geometrically (0, 50, 100, ... 2000): a log axis that admits 0.
     nonzero = [w for w in windows if w > 0]
-    if nonzero and max(windows) / min(nonzero) > 50:
-        bottom.set_xscale("symlog", linthresh=min(nonzero))
+    if nonzero and max(windows) / min(nonzero) > 10:
+        bottom.set_xscale("symlog", linthresh=min(nonzero), linscale=0.5)
+        bottom.set_xlim(-0.3 * min(nonzero), max(windows) * 1.2)
     bottom.set_xticks(windows, [str(w) for w in windows])
+    bottom.xaxis.set_minor_locator(ticker.NullLocator())
+    plain = ticker.FuncFormatter(lambda value, _: f"{value:,.0f}")
+    for axis in (top.yaxis, bottom.yaxis):
+        axis.set_major_formatter(plain)
     for ax in (top, bottom):
         ax.axvline(choice, color="tab:gray", linestyle="--", linewidth=1)
-        ax.grid(True, which="both", alpha=0.3)
+        ax.grid(True, alpha=0.3)
     top.annotate(
         f"recommended: {choice} us",
         xy=(choice, 0),
