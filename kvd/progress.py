@@ -2,14 +2,15 @@
 
 One rule for all of them: a tqdm bar with an ETA on stderr when stderr is a terminal, and
 nothing at all otherwise (``--json``, ``--no-progress``, a pipe, a log file, CI). Lines a
-command wants to show while it runs go through ``Progress.write`` so they print above the bar
+command wants to show while it runs go through ``ProgressBar.write`` so they print above the bar
 instead of through it, and are dropped with the bar.
 
 Usage::
 
-    add_progress_flag(parser)  # --no-progress
-    with progress_bar(total=len(cases), desc="cases", unit="case", quiet=args.json or
-                      args.no_progress) as bar:
+    add_progress_flag(parser)  # --no-progress, when the parser is built
+    ...
+    quiet = args.json or args.no_progress
+    with progress_bar(len(cases), "kvd demo", unit="case", quiet=quiet) as bar:
         for case in cases:
             ...
             bar.write(f"{case}: ok")
@@ -25,8 +26,8 @@ import sys
 from typing import Any, Protocol, TextIO
 
 
-class Progress(Protocol):
-    """What commands use of a tqdm bar (``tqdm.tqdm`` satisfies it)."""
+class _Tqdm(Protocol):
+    """What this module uses of a ``tqdm.tqdm`` bar."""
 
     def update(self, n: float = 1) -> object: ...
 
@@ -35,10 +36,10 @@ class Progress(Protocol):
     def close(self) -> None: ...
 
 
-class _Bar:
+class ProgressBar:
     """A tqdm bar plus ``write``, which prints above the bar (tqdm.write) or not at all."""
 
-    def __init__(self, bar: Progress, enabled: bool) -> None:
+    def __init__(self, bar: _Tqdm, enabled: bool) -> None:
         self._bar, self.enabled = bar, enabled
 
     def update(self, n: float = 1) -> None:
@@ -57,7 +58,7 @@ class _Bar:
     def close(self) -> None:
         self._bar.close()
 
-    def __enter__(self) -> _Bar:
+    def __enter__(self) -> ProgressBar:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -73,7 +74,9 @@ def shows_progress(quiet: bool = False, stream: TextIO | None = None) -> bool:
         return False
 
 
-def progress_bar(total: float | None, desc: str, *, unit: str = "it", quiet: bool = False) -> _Bar:
+def progress_bar(
+    total: float | None, desc: str, *, unit: str = "it", quiet: bool = False
+) -> ProgressBar:
     """A bar counting ``total`` ``unit``s on stderr with rate and ETA.
 
     It is a no-op (nothing is printed, ``write`` included) when ``quiet`` or stderr is not a
@@ -82,7 +85,7 @@ def progress_bar(total: float | None, desc: str, *, unit: str = "it", quiet: boo
     from tqdm import tqdm
 
     enabled = shows_progress(quiet)
-    bar: Progress = tqdm(
+    bar: _Tqdm = tqdm(
         total=total,
         desc=desc,
         unit=unit,
@@ -92,7 +95,7 @@ def progress_bar(total: float | None, desc: str, *, unit: str = "it", quiet: boo
         leave=False,  # the command's own report follows; a finished bar would only repeat it
         smoothing=0.1,
     )
-    return _Bar(bar, enabled)
+    return ProgressBar(bar, enabled)
 
 
 class _TakesArguments(Protocol):
