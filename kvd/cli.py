@@ -480,7 +480,7 @@ def _add_tune(commands: Any) -> None:
         "--concurrency",
         type=int,
         default=8,
-        help="closed loop: notifications in flight, the next sent as an event arrives (default)",
+        help="closed loop: notifications in flight, the next sent as an event arrives (default: 8)",
     )
     loop.add_argument(
         "--rate",
