@@ -1,4 +1,4 @@
-"""The ``kvd`` command: serve, tail, status, bench.
+"""The ``kvd`` command: serve, tail, status, demo, bench, tune.
 
 Heavy modules (torch, the daemon) are imported inside each command so ``--help`` stays quick.
 Exit codes: 0 success, 1 failure at run time, 2 bad usage or configuration.
@@ -18,14 +18,20 @@ import msgspec
 
 from kvd import __version__
 from kvd.daemon.config import FIELDS, ConfigError, field_help
+from kvd.dtypes import ITEMSIZE
+from kvd.progress import add_progress_flag
 from kvd.tables import format_table
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # Name the command whose flags were wrong, with its usage, not the top-level one.
+        command: argparse.ArgumentParser = getattr(args, "command_parser", parser)
+        command.error(f"unrecognized arguments: {' '.join(extra)}")
     if not hasattr(args, "run"):
-        parser.print_help()
+        getattr(args, "command_parser", parser).print_help()
         return 2
     try:
         code: int = args.run(args)
@@ -42,21 +48,30 @@ def build_parser() -> argparse.ArgumentParser:
             "announces when they are ready."
         ),
     )
-    parser.add_argument("--version", action="version", version=f"kvd {__version__}")
+    parser.add_argument("-V", "--version", action="version", version=f"kvd {__version__}")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
     _add_serve(commands)
     _add_tail(commands)
     _add_status(commands)
     _add_demo(commands)
     _add_bench(commands)
+    _add_tune(commands)
     return parser
+
+
+def _command(commands: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+    """A subcommand parser that ``main`` can name in usage errors."""
+    command: argparse.ArgumentParser = commands.add_parser(name, **kwargs)
+    command.set_defaults(command_parser=command)
+    return command
 
 
 # -- serve --------------------------------------------------------------------------------------
 
 
 def _add_serve(commands: Any) -> None:
-    serve = commands.add_parser(
+    serve = _command(
+        commands,
         "serve",
         help="run the daemon",
         description=(
@@ -93,7 +108,7 @@ def _default_config() -> Any:
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
-    from kvd.daemon.config import load_config
+    from kvd.daemon.config import load_config, warn_unknown_env
     from kvd.daemon.logs import setup_logging
     from kvd.daemon.server import Server
 
@@ -104,6 +119,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"kvd serve: {exc}", file=sys.stderr)
         return 2
     setup_logging(config.log_level, config.log_format)
+    warn_unknown_env()
     server = Server(config)
     code = server.run()
     if server.work_abandoned:
@@ -139,7 +155,8 @@ def _client(args: argparse.Namespace) -> Any:
 
 
 def _add_tail(commands: Any) -> None:
-    tail = commands.add_parser(
+    tail = _command(
+        commands,
         "tail",
         help="print completion events as JSON lines",
         description=(
@@ -196,7 +213,8 @@ def _tail(args: argparse.Namespace) -> int:
 
 
 def _add_status(commands: Any) -> None:
-    status = commands.add_parser(
+    status = _command(
+        commands,
         "status",
         help="show the daemon's status or one request's state",
         description="Ask a running kvd for its status: caches, counters, rejections.",
@@ -278,7 +296,8 @@ def format_status(reply: Any) -> str:
 def _add_demo(commands: Any) -> None:
     from kvd.demo import add_arguments
 
-    demo = commands.add_parser(
+    demo = _command(
+        commands,
         "demo",
         help="the whole chain with real NIXL transfers, verified byte for byte (no GPU needed)",
         description=(
@@ -305,13 +324,15 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _add_bench(commands: Any) -> None:
-    bench = commands.add_parser(
+    bench = _command(
+        commands,
         "bench",
         help="measure kvd against a baseline in the same run",
         description="Benchmarks print ratios against a baseline measured in the same run.",
     )
     which = bench.add_subparsers(title="benchmarks", metavar="BENCH")
-    pipeline = which.add_parser(
+    pipeline = _command(
+        which,
         "pipeline",
         help="notification throughput and ReadDone->Ready latency vs a bare ZMQ relay",
         description=(
@@ -321,6 +342,7 @@ def _add_bench(commands: Any) -> None:
         ),
     )
     pipeline.add_argument("--json", action="store_true", help="print one JSON object")
+    add_progress_flag(pipeline)
     pipeline.add_argument(
         "--messages",
         type=int,
@@ -358,7 +380,8 @@ def _add_bench(commands: Any) -> None:
         help="kvd's batch window for the run (default: kvd's default)",
     )
     pipeline.set_defaults(run=_bench_pipeline)
-    kernels = which.add_parser(
+    kernels = _command(
+        which,
         "kernels",
         help="the post-process vs a plain copy and the vLLM-style chain",
         description=(
@@ -394,6 +417,140 @@ def _bench_kernels(args: argparse.Namespace) -> int:
 
 def _bench_pipeline(args: argparse.Namespace) -> int:
     from kvd.bench.pipeline import run
+
+    return run(args)
+
+
+# -- tune ---------------------------------------------------------------------------------------
+
+
+def _add_tune(commands: Any) -> None:
+    tune = _command(
+        commands,
+        "tune",
+        help="measure batch windows with your geometry and request mix, and recommend one",
+        description=(
+            "For each batch window, starts kvd serve with it, attaches a shared-memory cache of "
+            "the given geometry and sends the request mix: notifications whose remote layout or "
+            "block size needs a real rewrite. Prints notifications/s and ReadDone->event "
+            "p50/p99 per window, recommends a window by a stated rule (--objective) and plots "
+            "the sweep."
+        ),
+    )
+    geometry = tune.add_argument_group("geometry (the decode cache kvd rewrites)")
+    geometry.add_argument("--layers", type=int, default=2, help="layers (default: 2)")
+    geometry.add_argument(
+        "--num-blocks", type=int, default=4096, help="blocks per tensor (default: 4096)"
+    )
+    geometry.add_argument(
+        "--block-size", type=int, default=16, help="tokens per decode block (default: 16)"
+    )
+    geometry.add_argument("--heads", type=int, default=8, help="KV heads (default: 8)")
+    geometry.add_argument("--head-dim", type=int, default=128, help="head dimension (default: 128)")
+    geometry.add_argument(
+        "--dtype", choices=list(ITEMSIZE), default="bfloat16", help="(default: bfloat16)"
+    )
+    geometry.add_argument(
+        "--layout", choices=["NHD", "HND"], default="NHD", help="the decode layout (default: NHD)"
+    )
+    geometry.add_argument(
+        "--kv-arrangement",
+        choices=["split", "blocks_first"],
+        default="split",
+        help="K and V in two halves (split, FlashAttention) or per block (FlashInfer)",
+    )
+    geometry.add_argument(
+        "--remote-layout",
+        choices=["NHD", "HND"],
+        default="HND",
+        help="the prefill layout the notifications name (default: HND)",
+    )
+    geometry.add_argument(
+        "--ratio",
+        type=int,
+        default=1,
+        help="block_size_ratio: decode block size / prefill block size (default: 1)",
+    )
+    mix = tune.add_argument_group("request mix")
+    mix.add_argument(
+        "--blocks", type=int, default=4, help="decode blocks per notification (default: 4)"
+    )
+    loop = mix.add_mutually_exclusive_group()
+    loop.add_argument(
+        "--concurrency",
+        type=int,
+        default=8,
+        help="closed loop: notifications in flight, the next sent as an event arrives (default: 8)",
+    )
+    loop.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        metavar="PER_S",
+        help="open loop instead: notifications per second on a fixed schedule",
+    )
+    mix.add_argument(
+        "--messages",
+        type=int,
+        default=2000,
+        help="timed notifications per window (default: %(default)s)",
+    )
+    mix.add_argument(
+        "--warmup",
+        type=int,
+        default=100,
+        help="untimed notifications first, per window (default: %(default)s)",
+    )
+    sweep = tune.add_argument_group("sweep and choice")
+    sweep.add_argument(
+        "--windows",
+        default="0,50,100,200,500,1000,2000",
+        help="batch windows to try, microseconds, comma-separated (default: %(default)s)",
+    )
+    sweep.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="visits per window, alternating the order; figures are medians (default: 1)",
+    )
+    sweep.add_argument(
+        "--objective",
+        choices=["balanced", "throughput", "p50", "p99"],
+        default="balanced",
+        help=(
+            "balanced (default): among windows whose p99 is within --p99-slack of the best "
+            "p99, the smallest whose throughput is within --tie of the highest of them; "
+            "throughput: the highest throughput; p50, p99: the lowest p50, p99"
+        ),
+    )
+    sweep.add_argument(
+        "--p99-slack",
+        type=float,
+        default=0.1,
+        metavar="FRACTION",
+        help="balanced: how far above the best p99 a window may be (default: 0.1 = 10%%)",
+    )
+    sweep.add_argument(
+        "--tie",
+        type=float,
+        default=0.05,
+        metavar="FRACTION",
+        help="balanced: throughputs this close count as equal (default: 0.05 = 5%%)",
+    )
+    out = tune.add_argument_group("output")
+    out.add_argument(
+        "--plot",
+        default="tune.png",
+        metavar="PATH",
+        help="PNG of throughput and p50/p99 against the window ('' for none; default: tune.png)",
+    )
+    out.add_argument("--json", action="store_true", help="print one JSON object")
+    add_progress_flag(out)
+    tune.set_defaults(run=_tune)
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from kvd.bench.tune import run
 
     return run(args)
 

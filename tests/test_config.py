@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from kvd.daemon.config import Config, ConfigError, load_config
+from kvd.daemon.config import Config, ConfigError, load_config, unknown_env
 
 
 def test_defaults() -> None:
@@ -51,3 +51,21 @@ def test_env_and_flag_errors_name_the_source() -> None:
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(tmp_path / "nope.toml", environ={})
+
+
+def test_unknown_env_names_the_closest_setting() -> None:
+    env = {
+        "KVD_BATCH_WINDOW": "5",  # a typo of KVD_BATCH_WINDOW_US
+        "KVD_MAX_BATCH_BLOCKS": "64",  # a setting
+        "KVD_RUNTIME_DIR": "/run/kvd/0",  # a setting that clients read too
+        "KVD_NO_UVLOOP": "1",  # read by the daemon, not a setting
+        "KVD_ZZZ": "1",  # nothing close
+        "PATH": "/bin",
+    }
+    assert unknown_env(env) == [
+        "KVD_BATCH_WINDOW is not a kvd setting and is ignored; did you mean KVD_BATCH_WINDOW_US?",
+        "KVD_ZZZ is not a kvd setting and is ignored",
+    ]
+    assert unknown_env({"KVD_NO_UVLOP": "1"}) == [
+        "KVD_NO_UVLOP is not a kvd setting and is ignored; did you mean KVD_NO_UVLOOP?"
+    ]

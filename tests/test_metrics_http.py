@@ -71,7 +71,7 @@ async def http(url: str, method: str = "GET") -> tuple[int, dict[str, str], str]
 
 
 async def test_listener_serves_only_get_metrics() -> None:
-    server = MetricsServer(lambda: "kvd_up 1\n")
+    server = MetricsServer(lambda: b"kvd_up 1\n")
     url = await server.start("127.0.0.1", 0)
     try:
         assert re.fullmatch(r"http://127\.0\.0\.1:\d+/metrics", url)

@@ -4,18 +4,23 @@ Every target gets identical traffic from this process (PUSH to its ingest socket
 events socket). The cache is NHD and the notifications say NHD, so the transform has no work and
 the figures are the pipeline's own cost. Rounds alternate between the targets; each figure is
 the median over rounds, each ratio the median of the per-round ratios.
+
+``drive`` runs a request mix (closed loop at a concurrency, or open loop at a rate) against one
+target and times every notification; ``kvd tune`` uses it with real transforms.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,6 +31,7 @@ import zmq
 
 from kvd.client import read_done_message
 from kvd.daemon_process import DaemonProcess
+from kvd.progress import progress_bar
 from kvd.protocol import Layout
 from kvd.shm import ShmCache
 
@@ -51,10 +57,35 @@ class _Kind(msgspec.Struct):
 _KIND = msgspec.msgpack.Decoder(_Kind)
 
 
-class _Target:
+class _Outcome(msgspec.Struct):
+    type: str
+    req_id: str = ""
+    code: str = ""
+    message: str = ""
+
+
+_OUTCOME = msgspec.msgpack.Decoder(_Outcome)
+
+
+class MixError(RuntimeError):
+    """The target sent no events, failed a warm-up notification or stopped answering."""
+
+
+def percentile(ordered: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``ordered`` (sorted), nearest rank below."""
+    return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
+
+
+class Target:
     """Sockets to one system under test: PUSH to its ingest, SUB on its events."""
 
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], ingest: str, events: str) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        ingest: str,
+        events: str,
+        topic: str = CACHE_ID,
+    ) -> None:
         self.push = ctx.socket(zmq.PUSH)
         self.push.setsockopt(zmq.SNDHWM, 0)
         self.push.setsockopt(zmq.LINGER, 0)
@@ -62,7 +93,7 @@ class _Target:
         self.sub = ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.RCVHWM, 0)
         self.sub.setsockopt(zmq.LINGER, 0)
-        self.sub.setsockopt(zmq.SUBSCRIBE, CACHE_ID.encode())
+        self.sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self.sub.connect(events)
 
     def warm_up(self, make: Callable[[str], bytes]) -> None:
@@ -73,7 +104,7 @@ class _Target:
             if self.sub.poll(100):
                 break
         else:
-            raise RuntimeError("no events from the target within 10s")
+            raise MixError("no events from the target within 10s")
         time.sleep(0.2)
         while self.sub.poll(0):
             self.sub.recv_multipart()
@@ -112,7 +143,7 @@ def _messages(prefix: str, blocks: int, transform: str, windows: int) -> Callabl
     return make
 
 
-def measure(target: _Target, make: Callable[[str], bytes], messages: int, samples: int) -> Figures:
+def measure(target: Target, make: Callable[[str], bytes], messages: int, samples: int) -> Figures:
     # Throughput: one thread sends as fast as it can while this one counts events.
     frames = [make("tp") for _ in range(messages)]
 
@@ -140,8 +171,114 @@ def measure(target: _Target, make: Callable[[str], bytes], messages: int, sample
     latencies.sort()
     return Figures(
         throughput=messages / elapsed,
-        p50_us=latencies[len(latencies) // 2],
-        p99_us=latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))],
+        p50_us=percentile(latencies, 0.50),
+        p99_us=percentile(latencies, 0.99),
+        failed=failed,
+    )
+
+
+@dataclass(frozen=True)
+class Mix:
+    """How notifications arrive: ``messages`` timed ones after ``warmup`` untimed ones."""
+
+    messages: int
+    concurrency: int = 1
+    """Closed loop: at most this many in flight; the next is sent when an event arrives."""
+    rate: float = 0.0
+    """Open loop when > 0: notifications per second on a fixed schedule, whatever the replies
+    (late ones are sent at once, in a burst). At most ``slots`` are in flight either way."""
+    warmup: int = 0
+
+
+EVENT_TIMEOUT_S = 30.0
+
+
+def drive(
+    target: Target,
+    make: Callable[[str, int], bytes],
+    *,
+    slots: int,
+    mix: Mix,
+    prefix: str = "mix",
+    progress: Callable[[int], object] | None = None,
+) -> Figures:
+    """Send ``mix`` to ``target`` and time each notification from send to its event.
+
+    ``make(req_id, slot)`` encodes the notification for ``req_id`` using slot ``slot``'s
+    blocks; a slot is used by one notification at a time and slots are reused round-robin, so
+    notifications in flight never share blocks and the run walks the whole cache. ``progress``
+    gets the number of notifications answered since its last call, about 100 times per run.
+    Throughput is timed notifications over first timed send to last timed event; a Failed
+    event during the warm-up raises ``MixError`` (a setup the target rejects).
+    """
+    total = mix.warmup + mix.messages
+    in_flight_limit = slots if mix.rate > 0 else min(mix.concurrency, slots)
+    interval = 1.0 / mix.rate if mix.rate > 0 else 0.0
+    free = deque(range(slots))
+    sent: dict[str, tuple[int, int, bool]] = {}  # req_id -> (sent ns, slot, timed)
+    latencies: list[float] = []
+    failed = answered = sent_n = reported = 0
+    step = max(1, total // 100)
+    first_timed_ns = last_timed_ns = 0
+    push, sub = target.push, target.sub
+    t0 = time.perf_counter()
+    while answered < total:
+        now = time.perf_counter()
+        while (
+            sent_n < total
+            and free
+            and (now >= t0 + sent_n * interval if interval else len(sent) < in_flight_limit)
+        ):
+            req_id = f"{prefix}-{sent_n}"
+            slot = free.popleft()
+            frame = make(req_id, slot)
+            timed = sent_n >= mix.warmup
+            sent_ns = time.perf_counter_ns()
+            if timed and not first_timed_ns:
+                first_timed_ns = sent_ns
+            sent[req_id] = (sent_ns, slot, timed)
+            push.send(frame)
+            sent_n += 1
+        # Open loop with a free slot: wake for the next send (1 ms granularity: late sends go
+        # out together). Otherwise only an event can let the loop go on.
+        next_send = bool(interval and sent_n < total and free)
+        if next_send:
+            timeout_ms = max(0, math.ceil((t0 + sent_n * interval - time.perf_counter()) * 1e3))
+        else:
+            timeout_ms = int(EVENT_TIMEOUT_S * 1e3)
+        if not sub.poll(timeout_ms):
+            if not next_send:
+                raise MixError(f"no event within {EVENT_TIMEOUT_S:.0f}s ({len(sent)} in flight)")
+            continue
+        while True:
+            try:
+                frames = sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            now_ns = time.perf_counter_ns()
+            event = _OUTCOME.decode(frames[2])
+            entry = sent.pop(event.req_id, None)
+            if entry is None:
+                continue  # an event of an earlier warm-up probe
+            sent_ns, slot, timed = entry
+            free.append(slot)
+            answered += 1
+            if event.type == "failed":
+                if not timed:
+                    raise MixError(f"warm-up notification failed: {event.code}: {event.message}")
+                failed += 1
+            if timed:
+                latencies.append((now_ns - sent_ns) / 1000)
+                last_timed_ns = now_ns
+        if progress is not None and (answered - reported >= step or answered == total):
+            progress(answered - reported)
+            reported = answered
+    latencies.sort()
+    elapsed_s = max(last_timed_ns - first_timed_ns, 1) / 1e9
+    return Figures(
+        throughput=mix.messages / elapsed_s,
+        p50_us=percentile(latencies, 0.50),
+        p99_us=percentile(latencies, 0.99),
         failed=failed,
     )
 
@@ -151,6 +288,7 @@ FLOORS = ("relay-api", "relay-raw")
 
 
 def run(args: argparse.Namespace) -> int:
+    quiet = args.json or args.no_progress
     windows = _windows(args)
     if args.transform == "layout":
         num_blocks = windows * args.blocks
@@ -185,7 +323,7 @@ def run(args: argparse.Namespace) -> int:
         kvd_args += ["--batch-window-us", str(args.batch_window_us)]
     daemon = DaemonProcess(*kvd_args, runtime_dir=work / "kvd")
     relays: dict[str, subprocess.Popen[bytes]] = {}
-    targets: dict[str, _Target] = {}
+    targets: dict[str, Target] = {}
     rounds: dict[str, list[Figures]] = {name: [] for name in ("kvd", *FLOORS)}
     try:
         for name in FLOORS:
@@ -197,29 +335,35 @@ def run(args: argparse.Namespace) -> int:
             )
             if relay.stdout is None or relay.stdout.readline().strip() != b"ready":
                 raise RuntimeError(f"the {name} relay did not start")
-            targets[name] = _Target(ctx, ingest, events)
+            targets[name] = Target(ctx, ingest, events)
         daemon.start()
         with daemon.client() as client:
             client.attach(CACHE_ID, cache.specs)
             window = client.status().batch_window_us
         endpoints = daemon.endpoints()
-        targets["kvd"] = _Target(ctx, endpoints.ingest, endpoints.events)
+        targets["kvd"] = Target(ctx, endpoints.ingest, endpoints.events)
         makers = {name: _messages(name, args.blocks, args.transform, windows) for name in targets}
         for name, target in targets.items():
             target.warm_up(makers[name])
-        for r in range(args.rounds):
-            order = ["relay-api", "kvd", "relay-raw"]
-            if r % 2:
-                order.reverse()
-            for name in order:
-                figures = measure(targets[name], makers[name], args.messages, args.latency_samples)
-                rounds[name].append(figures)
-                if not args.json:
-                    print(
-                        f"round {r + 1}/{args.rounds} {name:9}: {figures.throughput:10,.0f} msg/s"
-                        f"  p50 {figures.p50_us:7.1f} us  p99 {figures.p99_us:7.1f} us",
-                        file=sys.stderr,
+        # The bar moves between measurements only, never inside a timed loop.
+        with progress_bar(
+            args.rounds * len(targets), "kvd bench pipeline", unit="run", quiet=quiet
+        ) as bar:
+            for r in range(args.rounds):
+                order = ["relay-api", "kvd", "relay-raw"]
+                if r % 2:
+                    order.reverse()
+                for name in order:
+                    bar.set_postfix_str(f"round {r + 1}/{args.rounds} {name}")
+                    figures = measure(
+                        targets[name], makers[name], args.messages, args.latency_samples
                     )
+                    rounds[name].append(figures)
+                    bar.write(
+                        f"round {r + 1}/{args.rounds} {name:9}: {figures.throughput:10,.0f} msg/s"
+                        f"  p50 {figures.p50_us:7.1f} us  p99 {figures.p99_us:7.1f} us"
+                    )
+                    bar.update()
     finally:
         for target in targets.values():
             target.close()

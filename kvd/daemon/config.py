@@ -6,6 +6,8 @@ descriptions below are also the ``--help`` of ``kvd serve``.
 
 from __future__ import annotations
 
+import difflib
+import logging
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -19,6 +21,11 @@ LogLevel = Literal["debug", "info", "warning", "error"]
 LogFormat = Literal["auto", "text", "json"]
 
 ENV_PREFIX = "KVD_"
+# KVD_* variables read elsewhere, not (only) as settings: by clients (kvd.client, kvd status and
+# tail find the daemon with them) and by the daemon's choice of event loop (kvd.daemon.server).
+OTHER_ENV = frozenset({"KVD_RUNTIME_DIR", "KVD_GPU", "KVD_NO_UVLOOP"})
+
+log = logging.getLogger(__name__)
 
 
 def _doc(text: str) -> msgspec.Meta:
@@ -200,6 +207,29 @@ def _read_env(environ: Mapping[str, str]) -> dict[str, Any]:
             continue  # KVD_* variables that are not settings (e.g. for clients) pass through
         values[name] = _convert(name, raw, key)
     return values
+
+
+def unknown_env(environ: Mapping[str, str]) -> list[str]:
+    """A message for each ``KVD_*`` variable that nothing reads, naming the closest known one.
+
+    A typo in the TOML file is an error; in the environment the variable is simply not read,
+    so ``kvd serve`` warns instead (clients share the environment, hence no error).
+    """
+    known = sorted({ENV_PREFIX + name.upper() for name in FIELDS} | OTHER_ENV)
+    messages = []
+    for key in sorted(environ):
+        if not key.startswith(ENV_PREFIX) or key in known:
+            continue
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        messages.append(f"{key} is not a kvd setting and is ignored{hint}")
+    return messages
+
+
+def warn_unknown_env(environ: Mapping[str, str] | None = None) -> None:
+    """Log ``unknown_env`` at warning level (``kvd serve`` does, once logging is set up)."""
+    for message in unknown_env(os.environ if environ is None else environ):
+        log.warning("%s", message)
 
 
 def _convert(name: str, value: Any, source: str) -> Any:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvd.demo.cases import CASES, ENGINES
+from kvd.progress import add_progress_flag, progress_bar
 from kvd.tables import format_table
 
 CHILD_START_TIMEOUT_S = 60.0
@@ -109,7 +110,8 @@ def run(args: argparse.Namespace) -> int:
             daemon_args += ["--batch-window-us", str(args.batch_window_us)]
         daemon = DaemonProcess(*daemon_args, runtime_dir=workdir / "kvd")
         children: list[_Child] = []
-        progress = _Progress(enabled=not args.quiet)
+        bar = progress_bar(len(CASES), "kvd demo", unit="case", quiet=args.json or args.no_progress)
+        progress = bar.write
         progress(
             f"kvd demo: {len(CASES)} cases x {args.requests} requests, {len(engines_used)} "
             f"prefill engines, NIXL {TRANSPORT} on loopback"
@@ -181,10 +183,12 @@ def run(args: argparse.Namespace) -> int:
             )
             children.append(decode)
             cases = []
-            for _ in CASES:
+            for spec in CASES:
+                bar.set_postfix_str(spec.name(ENGINES))
                 case = decode.message(CHILD_START_TIMEOUT_S + args.case_timeout)["case"]
                 cases.append(case)
                 progress(_progress_line(case, len(CASES)))
+                bar.update()
             decode.finish()
             notifications = []
             for engine_id, child in prefills.items():
@@ -197,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvd demo: {e}", file=sys.stderr)
             return 1
         finally:
+            bar.close()
             try:
                 for child in children:
                     child.finish()
@@ -216,15 +221,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(_table(report))
     return 0 if report["verified"] else 1
-
-
-class _Progress:
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-
-    def __call__(self, line: str) -> None:
-        if self.enabled:
-            print(line, file=sys.stderr, flush=True)
 
 
 def _progress_line(case: dict[str, Any], total: int) -> str:
@@ -317,10 +313,13 @@ def _table(report: dict[str, Any]) -> str:
         f"{n['engine_id']}: {n['received']}/{n['expected']} READ notifications"
         for n in report["prefill_notifications"]
     ]
+    failures = [
+        f"  {c['name']}: {failure}" for c in report["cases"] for failure in c["failures"][:3]
+    ]
     verdict = (
         "every block verified byte for byte"
         if report["verified"]
-        else "VERIFICATION FAILED (see above)"
+        else "VERIFICATION FAILED" + (" (first failures below)" if failures else "")
     )
     lines += [
         "",
@@ -329,6 +328,7 @@ def _table(report: dict[str, Any]) -> str:
         f"NIXL {report['transport']} GB/s: bytes read / time with a READ in flight",
         "prefill side: " + "; ".join(notes),
         f"result: {verdict}",
+        *failures,
     ]
     return "\n".join(lines)
 
@@ -371,7 +371,7 @@ def add_arguments(demo: argparse.ArgumentParser) -> None:
         default=60.0,
         help="seconds a case may take before its open requests count as failed",
     )
-    demo.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    add_progress_flag(demo, "--quiet")
 
 
 def _int_at_least(minimum: int) -> Callable[[str], int]:
