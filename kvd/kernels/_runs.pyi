@@ -7,6 +7,7 @@ def apply_runs(
     n_runs: int,
     write_back: int,
     n_write_back: int,
+    prefetch: int,
     threads: int,
     /,
 ) -> tuple[int, int] | None: ...
