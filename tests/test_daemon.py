@@ -505,7 +505,6 @@ def test_events_lost_beyond_the_replay_buffer() -> None:
 CLIENT_SCRIPT = """
 import sys, torch
 from kvd.client import Client, ShmCache
-from kvd.postprocess import postprocess_blocks
 runtime_dir, role = sys.argv[1], sys.argv[2]
 with Client(runtime_dir) as c:
     if role == "engine":

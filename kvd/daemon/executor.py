@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kvd.daemon.batcher import Batch
-from kvd.postprocess import Group
+from kvd.daemon.registry import Rewrite
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class WorkItem:
     """
 
     batch: Batch
-    groups: list[Group]
+    groups: list[Rewrite]
     block_ids: list[int]
     nbytes: int
     """Bytes the rewrite moves: listed blocks times the bytes of one block in every view."""

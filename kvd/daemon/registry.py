@@ -12,14 +12,15 @@ import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from kvd.dtypes import torch_dtype
-from kvd.geometry import GeometryError, TensorGeometry, cache_geometry
-from kvd.postprocess import BlockRows, Group, block_rows, plan_groups
-from kvd.protocol import Attach, CudaIpcRef, Reason, ShmRef, TensorSpec
+from kvd.kernels import CachePostProcess, region_views
+from kvd.layout.formats import FormatError, axes, legacy_remote_format
+from kvd.layout.geometry import GeometryError, TensorGeometry, cache_geometry
+from kvd.protocol import Attach, CudaIpcRef, Layout, PageFormat, Reason, ShmRef, TensorSpec
 from kvd.shm import SHM_DIR
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,19 @@ class AttachedTensor:
     """The engine's tensor in its physical shape and dtype."""
 
 
+@dataclass(frozen=True, eq=False)
+class Rewrite:
+    """One kernel pass of a batch: the post-process of the cache's tensors of one page format,
+    from the remote format and block size the batch's notifications name."""
+
+    postprocess: CachePostProcess
+    remote: PageFormat
+    remote_block_size: int
+
+    def apply(self, block_ids: list[int]) -> None:
+        self.postprocess.apply([(block_ids, 0)], self.remote, self.remote_block_size)
+
+
 @dataclass(slots=True)
 class AttachedCache:
     cache_id: str
@@ -51,21 +65,34 @@ class AttachedCache:
     num_blocks: int
     block_size: int
     device: torch.device
-    views: list[BlockRows] = field(default_factory=list)
-    """What the post-process works on: raw row views, two per split tensor, none for MLA."""
-    _groups: dict[tuple[int, str], list[Group]] = field(default_factory=dict)
+    postprocesses: dict[PageFormat, CachePostProcess] = field(default_factory=dict)
+    """The post-process of the cache's tensors, one per local page format."""
+    _rewrites: dict[tuple[int, str], list[Rewrite]] = field(default_factory=dict)
 
-    def groups(self, ratio: int, remote_layout: str) -> list[Group]:
-        """The kernel calls a request under (ratio, remote_layout) needs; [] = no work.
+    def legacy_layout_problem(self, remote_layout: Layout) -> str | None:
+        """Why a legacy ``remote_layout`` names no remote format for this cache, or None."""
+        try:
+            for local in self.postprocesses:
+                _legacy_remote(local, remote_layout)
+        except FormatError as exc:
+            return f"remote_layout: {exc}; send remote_format instead"
+        return None
+
+    def groups(self, ratio: int, remote_layout: str) -> list[Rewrite]:
+        """The kernel passes a request under (ratio, remote_layout) needs; [] = no work.
 
         Memoised per cache, so requests reuse the prepared launches.
         """
         key = (ratio, remote_layout)
-        known = self._groups.get(key)
+        known = self._rewrites.get(key)
         if known is None:
-            known = self._groups[key] = plan_groups(
-                self.views, ratio=ratio, remote_layout=remote_layout
-            )
+            remote_block_size = self.block_size // ratio
+            known = []
+            for local, postprocess in self.postprocesses.items():
+                remote = _legacy_remote(local, cast(Layout, remote_layout))
+                if postprocess.needs_work(remote, remote_block_size):
+                    known.append(Rewrite(postprocess, remote, remote_block_size))
+            self._rewrites[key] = known
         return known
 
     def needs_work(self, ratio: int, remote_layout: str) -> bool:
@@ -77,8 +104,15 @@ class AttachedCache:
 
     @property
     def work_bytes(self) -> int:
-        """Bytes of one block id across every view the post-process rewrites."""
-        return sum(v.rows.shape[1] * v.rows.shape[2] * v.rows.element_size() for v in self.views)
+        """Bytes of one block id across every region of the cache."""
+        return sum(p.block_bytes for p in self.postprocesses.values())
+
+
+def _legacy_remote(local: PageFormat, remote_layout: Layout) -> PageFormat:
+    """The remote format a legacy ``remote_layout`` means; MLA pages have no H/N order."""
+    if "H" not in axes(local) and local.regions != "head":
+        return local
+    return legacy_remote_format(local, remote_layout)
 
 
 class Registry:
@@ -123,7 +157,7 @@ class Registry:
             num_blocks=geometries[0].num_blocks,
             block_size=geometries[0].block_size,
             device=self.device,
-            views=_row_views(tensors),
+            postprocesses=_postprocesses(tensors, self.device),
         )
         if self.device.type == "cuda":
             warm_up(cache)
@@ -190,23 +224,15 @@ class Registry:
 
 
 def warm_up(cache: AttachedCache) -> None:
-    """Compile the CUDA kernels for this cache's geometries now, not on its first request.
+    """Compile the CUDA kernels for this cache's formats now, not on its first request.
 
-    Runs the kernel on a one-block scratch copy of each geometry, never on the engine's memory.
+    Runs each kernel on scratch pages, never on the engine's memory.
     """
-    seen = set()
-    for view in cache.views:
-        rows = view.rows
-        key = (rows.shape[1:], rows.dtype)
-        if key in seen:
-            continue
-        seen.add(key)
-        scratch = torch.zeros((1, *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
-        dummy = BlockRows(scratch, view.layout, view.block_size, view.num_heads, view.kv_parts)
+    for local, postprocess in cache.postprocesses.items():
         for ratio in (1, 2):
-            if view.block_size % ratio == 0:
-                for group in plan_groups([dummy], ratio=ratio, remote_layout="HND"):
-                    group.apply([0])
+            if cache.block_size % ratio == 0 and "H" in axes(local):
+                remote = legacy_remote_format(local, "HND")
+                postprocess.warm_up(remote, cache.block_size // ratio)
     torch.cuda.synchronize(cache.device)
 
 
@@ -259,21 +285,15 @@ def populate(tensor: torch.Tensor) -> None:
         log.debug("madvise(MADV_POPULATE_WRITE) failed: %s", os.strerror(ctypes.get_errno()))
 
 
-def _row_views(tensors: Sequence[AttachedTensor]) -> list[BlockRows]:
-    views = []
+def _postprocesses(
+    tensors: Sequence[AttachedTensor], device: torch.device
+) -> dict[PageFormat, CachePostProcess]:
+    by_format: dict[PageFormat, list[AttachedTensor]] = {}
     for t in tensors:
-        g = t.geometry
-        if g.arrangement == "mla":
-            continue  # no head axis: nothing to rewrite
-        parts = [t.tensor[0], t.tensor[1]] if g.arrangement == "split" else [t.tensor]
-        for part in parts:
-            views.append(
-                block_rows(
-                    part,
-                    layout=g.layout,
-                    block_size=g.block_size,
-                    num_heads=g.num_heads,
-                    kv_parts=g.kv_parts,
-                )
-            )
-    return views
+        by_format.setdefault(t.geometry.format, []).append(t)
+    return {
+        fmt: CachePostProcess(
+            [view for t in group for view in region_views(t.tensor, t.geometry)], device
+        )
+        for fmt, group in by_format.items()
+    }

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from kvd.daemon.ledger import Ledger
 from kvd.daemon.registry import AttachedCache, Registry
-from kvd.geometry import duplicate_ids, out_of_range_ids, preview, resolve_ratio
+from kvd.layout.geometry import check_block_ids, preview, resolve_remote_block_size
 from kvd.protocol import PROTOCOL_VERSION, ReadDone, Reason
 
 
@@ -43,22 +43,31 @@ def validate_read_done(
     ratio = msg.block_size_ratio
     if msg.remote_block_size or ratio < 1 or cache.block_size % ratio:
         try:
-            ratio = resolve_ratio(cache.block_size, msg.block_size_ratio, msg.remote_block_size)
+            remote_block_size = resolve_remote_block_size(
+                cache.block_size, msg.block_size_ratio, msg.remote_block_size
+            )
         except ValueError as exc:
             return Rejection(Reason.INVALID_RATIO, str(exc))
+        if remote_block_size > cache.block_size:
+            return Rejection(
+                Reason.INVALID_RATIO,
+                f"remote_block_size: {remote_block_size} is larger than the local block size "
+                f"{cache.block_size}; this kvd does not batch such requests yet",
+            )
+        ratio = cache.block_size // remote_block_size
+    if msg.remote_layout is not None:
+        problem = cache.legacy_layout_problem(msg.remote_layout)
+        if problem is not None:
+            return Rejection(Reason.INVALID_LAYOUT, problem)
     ids = msg.physical_block_ids
-    # Cheap checks first; the helpers name the offending ids only when one fails.
-    if ids and (min(ids) < 0 or max(ids) >= cache.num_blocks):
-        return Rejection(
-            Reason.BLOCK_OUT_OF_RANGE,
-            f"physical_block_ids: {preview(out_of_range_ids(ids, cache.num_blocks))} outside "
-            f"[0, {cache.num_blocks})",
+    bad_ids = check_block_ids(ids, cache.num_blocks)
+    if bad_ids is not None:
+        code = (
+            Reason.BLOCK_OUT_OF_RANGE
+            if bad_ids.fault == "out_of_range"
+            else Reason.DUPLICATE_BLOCK_ID
         )
-    if len(set(ids)) != len(ids):
-        return Rejection(
-            Reason.DUPLICATE_BLOCK_ID,
-            f"physical_block_ids: {preview(duplicate_ids(ids))} listed twice",
-        )
+        return Rejection(code, f"physical_block_ids: {bad_ids}")
     busy = ledger.busy_blocks(msg.cache_id, ids)
     if busy:
         return Rejection(
