@@ -10,10 +10,10 @@
  * (Non-temporal stores, which skip the cache, made the kernel 1.2 to 1.4 times slower.)
  *
  * Memory faults: the pages are the engine's, mapped from a file it may truncate, and a touch
- * past the end of a file raises SIGBUS. A thread-local sigjmp_buf is armed while a worker
- * touches pages; a SIGBUS or SIGSEGV handler jumps back to it when the faulting thread is
- * inside the kernel, and otherwise hands the signal on to whoever handled it before. The call
- * then returns the fault instead of killing the process.
+ * past the end of a file raises SIGBUS. Each worker arms a sigjmp_buf (pointed to from a
+ * thread-local) while it touches pages; a SIGBUS or SIGSEGV handler jumps back to it when the
+ * faulting thread is inside the kernel, and otherwise hands the signal on to whoever handled
+ * it before. The call then returns the fault instead of killing the process.
  *
  * The Python wrapper (kvd/kernels/cpu.py) forms every address from checked block ids; this
  * file trusts its arguments. No Python object is touched while the GIL is released.
@@ -31,20 +31,26 @@
 /* ---------------------------------------------------------------------------------------- */
 /* Faults */
 
-static __thread sigjmp_buf fault_jump;
-static __thread volatile sig_atomic_t fault_armed;
-static __thread volatile int fault_signal;
-static __thread volatile uintptr_t fault_address;
+typedef struct {
+    sigjmp_buf jump;
+    int signal;
+    uintptr_t address;
+} fault_t;
+
+/* The fault context of the kernel work this thread is doing, or NULL. Initial-exec TLS: the
+ * handler may run in any thread, and reading dynamic TLS there could allocate. */
+static __thread fault_t *volatile armed __attribute__((tls_model("initial-exec")));
 
 static const int fault_signals[2] = {SIGBUS, SIGSEGV};
 static struct sigaction previous[2];
 
 static void on_fault(int signo, siginfo_t *info, void *context) {
-    if (fault_armed) {
-        fault_armed = 0;
-        fault_signal = signo;
-        fault_address = (uintptr_t)info->si_addr;
-        siglongjmp(fault_jump, 1);
+    fault_t *fault = armed;
+    if (fault != NULL) {
+        armed = NULL;
+        fault->signal = signo;
+        fault->address = (uintptr_t)info->si_addr;
+        siglongjmp(fault->jump, 1);
     }
     const struct sigaction *prev = &previous[signo == SIGBUS ? 0 : 1];
     if (prev->sa_flags & SA_SIGINFO) {
@@ -103,8 +109,7 @@ typedef struct {
     int64_t prefetch;          /* runs ahead to prefetch the source of; 0: none */
     int64_t first, last;       /* this worker's groups */
     int out_of_memory;
-    int signal;
-    uintptr_t address;
+    fault_t fault;             /* signal 0: none */
 } work_t;
 
 /* Constant sizes let the compiler inline the copy as a few vector moves: runs of one head_dim
@@ -163,13 +168,11 @@ static void *run_worker(void *arg) {
         w->out_of_memory = 1;
         return NULL;
     }
-    if (sigsetjmp(fault_jump, 1) == 0) {
-        fault_armed = 1;
+    w->fault.signal = 0;
+    if (sigsetjmp(w->fault.jump, 1) == 0) {
+        armed = &w->fault;
         run_groups(w, scratch);
-        fault_armed = 0;
-    } else {
-        w->signal = fault_signal;
-        w->address = fault_address;
+        armed = NULL;
     }
     free(scratch);
     return NULL;
@@ -224,8 +227,9 @@ static PyObject *apply_runs(PyObject *self, PyObject *args) {
     }
     Py_END_ALLOW_THREADS
     for (int t = 0; t < threads; t++) {
-        if (work[t].signal) {
-            return Py_BuildValue("(iK)", work[t].signal, (unsigned long long)work[t].address);
+        if (work[t].fault.signal) {
+            return Py_BuildValue("(iK)", work[t].fault.signal,
+                                 (unsigned long long)work[t].fault.address);
         }
     }
     for (int t = 0; t < threads; t++) {
