@@ -25,8 +25,9 @@ import triton.language as tl
 
 from kvd.layout.planner import Plan
 
-# Above this a group does not fit one program's registers (16 warps x 32 threads x ~64 regs).
-MAX_TILE_BYTES = 128 * 1024
+# Above this a group does not fit one program's registers: each word held also needs its
+# int32 source index (16 warps x 32 threads x ~64 regs). Not yet tuned on a GPU.
+MAX_TILE_BYTES = 64 * 1024
 # Bound on the scratch buffer of the two-pass path; longer page tables are done in chunks.
 MAX_SCRATCH_BYTES = 256 << 20
 # Words a program of the two-pass path moves.
@@ -38,7 +39,7 @@ _WORDS = {4: tl.int32, 2: tl.int16, 1: tl.uint8}
 @triton.jit
 def _load_group(pages_ptr, index_ptr, g, i, mask, PAGE_WORDS, K: tl.constexpr, WORD: tl.constexpr):
     """The landed words group ``g``'s words ``i`` receive; ``moving`` marks those not in place."""
-    src = tl.load(index_ptr + i, mask=mask, other=0).to(tl.int64)
+    src = tl.load(index_ptr + i, mask=mask, other=0)
     moving = mask & (src != i)
     tile = tl.zeros(i.shape, dtype=WORD)
     for j in tl.static_range(K):
@@ -67,7 +68,7 @@ def _apply_in_place(
     WORD: tl.constexpr,
 ):
     g = tl.program_id(0).to(tl.int64)
-    i = tl.arange(0, BLOCK).to(tl.int64)
+    i = tl.arange(0, BLOCK)
     mask = i < GROUP_WORDS
     tile, moving = _load_group(pages_ptr, index_ptr, g, i, mask, PAGE_WORDS, K, WORD)
     # Every thread must hold its words before any thread overwrites words others still read.
@@ -89,14 +90,14 @@ def _apply_two_pass(
 ):
     """Words [tile * TILE, ...) of one group: into scratch (gathered) or back to the pages."""
     g = tl.program_id(0).to(tl.int64)
-    i = tl.program_id(1).to(tl.int64) * TILE + tl.arange(0, TILE).to(tl.int64)
+    i = tl.program_id(1) * TILE + tl.arange(0, TILE)
     mask = i < GROUP_WORDS
     slot = scratch_ptr.to(tl.pointer_type(WORD)) + g * GROUP_WORDS
     if TO_SCRATCH:
         tile, moving = _load_group(pages_ptr, index_ptr, g, i, mask, PAGE_WORDS, K, WORD)
         tl.store(slot + i, tile, mask=moving)
     else:
-        src = tl.load(index_ptr + i, mask=mask, other=0).to(tl.int64)
+        src = tl.load(index_ptr + i, mask=mask, other=0)
         moving = mask & (src != i)
         tile = tl.load(slot + i, mask=moving, other=0)
         _store_group(pages_ptr, g, i, moving, tile, PAGE_WORDS, K, WORD)
@@ -120,8 +121,9 @@ def prepare(plan: Plan, device: torch.device, alignment: int) -> Prepared:
     (all multiples of ``alignment``) and every run allow."""
     width = min(plan.word_width(4), alignment & -alignment or 4, 4)
     index = plan.gather_index(width)
-    dtype = torch.int32 if len(index) < 2**31 else torch.int64
-    return Prepared(plan, _on(device, index, dtype), width)
+    if len(index) >= 2**31:
+        raise ValueError(f"a group of {len(index)} words is too large for the CUDA kernels")
+    return Prepared(plan, _on(device, index, torch.int32), width)
 
 
 def apply_runs(prepared: Prepared, pages: npt.NDArray[np.int64], device: torch.device) -> None:
