@@ -13,9 +13,10 @@ kernels trust what they are given.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -27,6 +28,9 @@ from kvd.layout.formats import KV, PageSizes, page_bytes, resolve
 from kvd.layout.geometry import TensorGeometry, check_block_ids
 from kvd.layout.planner import Plan
 from kvd.protocol import FormatRef, PageFormat
+
+if TYPE_CHECKING:  # Triton is imported only where CUDA is used
+    from kvd.kernels.gpu import Prepared
 
 Backend = Literal["auto", "kernel", "torch"]
 """``kernel``: the compiled CPU kernel, or Triton on CUDA; ``torch``: plain torch ops (the
@@ -88,20 +92,22 @@ def region_views(tensor: torch.Tensor, geometry: TensorGeometry) -> list[RegionV
     return views
 
 
-@dataclass(eq=False)
+@dataclass(frozen=True, eq=False)
 class _Bundle:
     """Regions that share one plan: same format, region kind and sizes."""
 
     format: PageFormat
     kv: KV
     sizes: PageSizes
-    regions: list[RegionView] = field(default_factory=list)
-    bases: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    strides: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    regions: tuple[RegionView, ...]
 
-    def seal(self) -> None:
-        self.bases = np.array([r.base for r in self.regions], dtype=np.int64)
-        self.strides = np.array([r.block_stride for r in self.regions], dtype=np.int64)
+    @functools.cached_property
+    def bases(self) -> npt.NDArray[np.int64]:
+        return np.array([r.base for r in self.regions], dtype=np.int64)
+
+    @functools.cached_property
+    def strides(self) -> npt.NDArray[np.int64]:
+        return np.array([r.block_stride for r in self.regions], dtype=np.int64)
 
     @property
     def alignment(self) -> int:
@@ -116,7 +122,7 @@ class _Launch:
 
     bundle: _Bundle
     plan: Plan
-    prepared: object = None  # the GPU's Prepared, made once
+    prepared: Prepared | None = None  # the plan on the GPU, made once
 
 
 class CachePostProcess:
@@ -137,7 +143,7 @@ class CachePostProcess:
             raise ValueError("regions: a cache needs at least one region")
         self.device = torch.device(device)
         first = regions[0]
-        bundles: dict[tuple[PageFormat, KV, PageSizes], _Bundle] = {}
+        by_plan: dict[tuple[PageFormat, KV, PageSizes], list[RegionView]] = {}
         for i, region in enumerate(regions):
             if region.pages.device != self.device and not (
                 self.device.type == region.pages.device.type and self.device.index is None
@@ -157,11 +163,8 @@ class CachePostProcess:
                     f"regions[{i}]: pages of {region.page_bytes} bytes, the format says "
                     f"{page_bytes(region.format, region.sizes)}"
                 )
-            key = (region.format, region.kv, region.sizes)
-            bundles.setdefault(key, _Bundle(*key)).regions.append(region)
-        for bundle in bundles.values():
-            bundle.seal()
-        self._bundles = list(bundles.values())
+            by_plan.setdefault((region.format, region.kv, region.sizes), []).append(region)
+        self._bundles = [_Bundle(*key, tuple(group)) for key, group in by_plan.items()]
         self._regions = list(regions)
         self.num_blocks = first.num_blocks
         self.block_size = first.sizes.block_size
@@ -264,17 +267,14 @@ class CachePostProcess:
         """Compile the kernels a request in ``remote`` at nP would launch, on scratch pages
         (never the cache's): CUDA's first launch of a kernel shape pays its compilation."""
         for launch in self._launches_for(remote, remote_block_size, 0):
-            plan = launch.plan
+            plan, bundle = launch.plan, launch.bundle
             scratch = torch.zeros(
                 (plan.pages_per_group, plan.page_bytes), dtype=torch.uint8, device=self.device
             )
-            scratch_bundle = _Bundle(launch.bundle.format, launch.bundle.kv, launch.bundle.sizes)
-            scratch_bundle.regions.append(
-                RegionView(scratch, scratch_bundle.format, scratch_bundle.sizes, scratch_bundle.kv)
-            )
-            scratch_bundle.seal()
+            region = RegionView(scratch, bundle.format, bundle.sizes, bundle.kv)
+            on_scratch = _Bundle(bundle.format, bundle.kv, bundle.sizes, (region,))
             groups = np.arange(plan.pages_per_group, dtype=np.int64).reshape(1, -1)
-            self._run(_Launch(scratch_bundle, plan, launch.prepared), groups)
+            self._run(_Launch(on_scratch, plan, launch.prepared), groups)
 
     def _launches_for(
         self, remote: FormatRef, remote_block_size: int, covered: int
@@ -316,7 +316,5 @@ class CachePostProcess:
             return
         from kvd.kernels import gpu
 
-        prepared = launch.prepared
-        if not isinstance(prepared, gpu.Prepared):
-            prepared = gpu.prepare(plan, self.device, bundle.alignment)
+        prepared = launch.prepared or gpu.prepare(plan, self.device, bundle.alignment)
         gpu.apply_runs(prepared, pages, self.device)
