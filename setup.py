@@ -9,8 +9,8 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "kvd.kernels._rowperm",
-            sources=["kvd/kernels/_rowperm.c"],
+            "kvd.kernels._runs",
+            sources=["kvd/kernels/_runs.c"],
             extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra"],
             libraries=["pthread"],
             optional=True,

@@ -17,9 +17,9 @@ import torch
 from kvd.client import Client, KvdError
 from kvd.cudaipc import CudaIpcError, export_tensor
 from kvd.daemon_process import DaemonProcess
-from kvd.postprocess import block_rows, postprocess_tensors, row_plan
 from kvd.protocol import TensorSpec
 from tests.daemon_helpers import by_req, collect
+from tests.kernel_cases import check_cache, make_cache
 from tests.reference import expected_block, random_bytes, same_bytes
 
 pytestmark = [
@@ -27,58 +27,52 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-DTYPES = [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.uint8, torch.float32]
+CASES = [
+    # (remote, local, local block size, remote block sizes)
+    ("HND", "NHD", 16, (1, 4, 16, 64)),
+    ("HND", "HND", 16, (2, 8, 32)),
+    ("NHD", "NHD", 16, (4, 32)),
+    ("blocks_first_HND", "blocks_first_NHD", 16, (4, 16)),
+    ("cpu_attn_vec", "cpu_attn_vec", 32, (8, 16, 64)),
+    ("LBHNC", "LBNHC", 16, (4, 16, 32)),
+    ("LBHNC", "LBHNC", 16, (4, 64)),
+    ("BLHNC", "BLNHC", 16, (8,)),
+    ("LHBNC", "LHBNC", 16, (4,)),
+]
 
 
 @pytest.mark.parametrize("two_pass", [False, True])
-@pytest.mark.parametrize("seed", range(30))
-def test_triton_kernel_matches_reference(seed: int, two_pass: bool, monkeypatch) -> None:
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "float32"])
+@pytest.mark.parametrize("case", CASES)
+def test_triton_kernel_matches_reference(case, dtype, two_pass, monkeypatch) -> None:
     from kvd.kernels import gpu
 
+    remote, local, block_size, remote_block_sizes = case
     if two_pass:
         monkeypatch.setattr(gpu, "MAX_TILE_BYTES", 0)
-    rng = random.Random(seed)
-    ratio = rng.choice([1, 2, 4, 8, 16])
-    block_size = ratio * rng.choice([1, 2, 4])
-    heads, head_dim = rng.randint(1, 8), rng.choice([5, 16, 64, 128, 576])
-    dtype = rng.choice(DTYPES)
-    remote, local = rng.choice(["NHD", "HND"]), rng.choice(["NHD", "HND"])
-    kv_parts = rng.choice([1, 2])
-    num_blocks = rng.randint(2, 40)
-    block = [block_size, heads, head_dim] if local == "NHD" else [heads, block_size, head_dim]
-    shape = [num_blocks, 2, *block] if kv_parts == 2 else [num_blocks, *block]
-    host = [random_bytes(shape, dtype, seed * 5 + i) for i in range(rng.randint(1, 4))]
-    tensors = [t.cuda() for t in host]
-    views = [
-        block_rows(t, layout=local, block_size=block_size, num_heads=heads, kv_parts=kv_parts)
-        for t in tensors
-    ]
-    ids = rng.sample(range(num_blocks), rng.randint(1, num_blocks))
-    postprocess_tensors(views, ids, ratio=ratio, remote_layout=remote, backend="kernel")
-    torch.cuda.synchronize()
-    plan = row_plan(
-        kv_parts=kv_parts,
-        block_size=block_size,
-        num_heads=heads,
-        ratio=ratio,
-        remote_layout=remote,
-        local_layout=local,
-    )
-    for on_gpu, was in zip(tensors, host, strict=True):
-        now = on_gpu.cpu()
-        for b in range(num_blocks):
-            want = was[b]
-            if b in ids and plan is not None:
-                want = expected_block(
-                    was[b],
-                    kv_parts=kv_parts,
-                    block_size=block_size,
-                    heads=heads,
-                    ratio=ratio,
-                    remote_layout=remote,
-                    local_layout=local,
-                )
-            assert same_bytes(now[b], want), f"block {b}"
+    rng = random.Random(f"{remote}{local}{dtype}{two_pass}")
+    for nP in remote_block_sizes:
+        cache = make_cache(
+            local,
+            dtype=dtype,
+            block_size=block_size,
+            num_blocks=40,
+            heads=rng.randint(1, 8),
+            head_dim=rng.choice([16, 64, 128]),
+            seed=rng.randrange(99),
+            device="cuda",
+        )
+        pages = max(1, nP // block_size)
+        remote_pages = max(1, block_size // nP)
+        free = rng.sample(range(40), 40)
+        requests = []
+        for n in range(1, 4):
+            ids, free = free[: n * pages], free[n * pages :]
+            covered = rng.choice([0, n * remote_pages - 1]) if remote_pages > 1 else 0
+            requests.append((ids, covered))
+        cache.postprocess("kernel").apply(requests, remote, nP)
+        torch.cuda.synchronize()
+        check_cache(cache, requests, remote, nP)
 
 
 @pytest.fixture(scope="module")

@@ -193,7 +193,7 @@ BAD_NOTIFICATIONS = [
     ({"remote_layout": "XYZ"}, "invalid_layout", "remote_layout"),
     ({"physical_block_ids": ["zero"]}, "invalid_message", "$.physical_block_ids[0]"),
     ({"block_size_ratio": "2"}, "invalid_message", "$.block_size_ratio"),
-    ({"remote_layout": None}, "invalid_layout", "remote_layout: must be given"),
+    ({"remote_layout": None}, "invalid_format", "give the remote page format"),
     ({"type": "read_later"}, "invalid_message", "Invalid value 'read_later' - at `$.type`"),
     ({"v": 2}, "unsupported_version", "protocol version 2"),
     ({"req_id": "", "cache_id": "x"}, None, None),  # empty req_id: nobody to answer
@@ -508,7 +508,6 @@ def test_events_lost_beyond_the_replay_buffer() -> None:
 CLIENT_SCRIPT = """
 import sys, torch
 from kvd.client import Client, ShmCache
-from kvd.postprocess import postprocess_blocks
 runtime_dir, role = sys.argv[1], sys.argv[2]
 with Client(runtime_dir) as c:
     if role == "engine":

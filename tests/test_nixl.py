@@ -225,7 +225,7 @@ def test_bad_requests_end_as_failed_events(
         assert "no handshake with 'prefill-nobody'" in results["unknown-peer"].reason
         assert "fill 2 local blocks, got 1" in results["too-few-local"].reason
         assert f"[{REMOTE_BLOCKS}] outside [0, {REMOTE_BLOCKS})" in results["remote-range"].reason
-        assert "repeated ids [2]" in results["repeated"].reason
+        assert "[2] listed twice" in results["repeated"].reason
         for req_id, event in events.items():
             assert isinstance(event, Failed) and event.code == "read_failed", event
             assert event.message == results[req_id].reason

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvd.geometry import shape_geometry
+from kvd.layout.geometry import shape_geometry
 from kvd.nixl.mapping import (
     MappingError,
     local_blocks_needed,
@@ -160,8 +160,8 @@ def test_descriptor_rows_follow_the_documented_order():
         ([0, 16], [0, 1], 1, "remote_block_ids: [16] outside [0, 16)"),
         ([0, -1], [0, 1], 1, "remote_block_ids: [-1]"),
         ([0, 1], [0, 8], 1, "local_block_ids: [8] outside [0, 8)"),
-        ([3, 3], [0, 1], 1, "remote_block_ids: repeated ids [3]"),
-        ([1, 2], [4, 4], 1, "local_block_ids: repeated ids [4]"),
+        ([3, 3], [0, 1], 1, "remote_block_ids: [3] listed twice"),
+        ([1, 2], [4, 4], 1, "local_block_ids: [4] listed twice"),
         ([1], [0], 0, "block_size_ratio must be >= 1"),
     ],
 )

@@ -1,4 +1,6 @@
-"""Exactness of the post-process against the independent reference in tests/reference.py."""
+"""``CachePostProcess`` on the CPU (C kernel and torch fallback), byte for byte against the
+independent reference in tests/reference.py: every preset pair of interest, every ratio in both
+directions, fp8/bf16/fp32, partly covered requests; unlisted blocks unchanged."""
 
 from __future__ import annotations
 
@@ -6,234 +8,215 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvd.kernels import cpu as kernels_cpu
-from kvd.postprocess import block_rows, postprocess_blocks, postprocess_tensors, row_plan
-from tests.reference import expected_block, random_bytes, same_bytes
+from kvd.kernels import CachePostProcess, cpu
+from kvd.layout.formats import PRESETS, FormatError
+from kvd.layout.planner import PlanError
+from kvd.protocol import PageFormat
+from tests.kernel_cases import check_cache, make_cache
+from tests.reference import same_bytes
+from tests.strategies import Case, cases
 
-DTYPES = [
-    torch.float32,
-    torch.bfloat16,
-    torch.float16,
-    torch.float8_e4m3fn,
-    torch.float8_e5m2,
-    torch.uint8,
-    torch.int8,
+BACKENDS = ["kernel", "torch"] if cpu.available() else ["torch"]
+DTYPES = ["float8_e4m3fn", "bfloat16", "float32"]
+
+PAIRS = [(name, name) for name in PRESETS] + [
+    ("HND", "NHD"),
+    ("NHD", "HND"),
+    ("blocks_first_HND", "blocks_first_NHD"),
+    ("blocks_first_NHD", "blocks_first_HND"),
+    ("single_HND", "single_NHD"),
+    ("LBHNC", "LBNHC"),
+    ("LBNHC", "LBHNC"),
+    ("BLHNC", "BLNHC"),
+    ("BHLNC", "BLHNC"),
 ]
-LAYOUTS = ["NHD", "HND"]
+BLOCK_SIZE = 8
+# Every remote block size that divides the local one or is a multiple of it (up to 4x).
+REMOTE_BLOCK_SIZES = [1, 2, 4, 8, 16, 32]
+NUM_BLOCKS = 20
 
 
-def _block_shape(layout: str, block_size: int, heads: int, head_dim: int) -> list[int]:
-    return [block_size, heads, head_dim] if layout == "NHD" else [heads, block_size, head_dim]
-
-
-def _pick_ids(rng: random.Random, num_blocks: int) -> list[int]:
-    kind = rng.choice(["random", "contiguous", "all", "one", "reversed"])
-    if kind == "contiguous":
-        start = rng.randrange(num_blocks)
-        return list(range(start, rng.randint(start + 1, num_blocks)))
-    if kind == "all":
-        return list(range(num_blocks))
-    if kind == "one":
-        return [rng.randrange(num_blocks)]
-    if kind == "reversed":
-        return list(range(num_blocks - 1, -1, -2))
-    return rng.sample(range(num_blocks), rng.randint(1, num_blocks))
-
-
-def _check(
-    cache: torch.Tensor, ids: list[int], expect: dict[int, torch.Tensor], before: torch.Tensor
-) -> None:
-    for b in range(cache.shape[0]):
-        want = expect.get(b, before[b])
-        assert same_bytes(cache[b], want), f"block {b} ({'listed' if b in expect else 'unlisted'})"
-
-
-BACKENDS = ["kernel", "torch"] if kernels_cpu.available() else ["torch"]
+def requests_for(rng: random.Random, remote_block_size: int) -> list[tuple[list[int], int]]:
+    """A few requests over distinct random blocks, some partly covered where that exists."""
+    pages = max(1, remote_block_size // BLOCK_SIZE)
+    remote_pages = max(1, BLOCK_SIZE // remote_block_size)
+    free = rng.sample(range(NUM_BLOCKS), NUM_BLOCKS)
+    requests = []
+    for _ in range(3):
+        count = pages * rng.randint(1, 2)
+        if len(free) < count:
+            break
+        ids, free = free[:count], free[count:]
+        holds = count // pages * remote_pages
+        covered = rng.choice([0, holds, rng.randint(1, holds)])
+        requests.append((ids, covered))
+    return requests
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("seed", range(40))
-def test_single_tensor_matches_reference(seed: int, backend: str) -> None:
-    rng = random.Random(seed)
-    ratio = rng.choice([1, 2, 3, 4, 8, 16])
-    block_size = ratio * rng.choice([1, 2, 3, 4])
-    heads, head_dim = rng.randint(1, 5), rng.choice([1, 3, 5, 8, 64, 13])
-    dtype = rng.choice(DTYPES)
-    remote, local = rng.choice(LAYOUTS), rng.choice(LAYOUTS)
-    num_blocks = rng.randint(1, 12)
-    shape = [num_blocks, *_block_shape(local, block_size, heads, head_dim)]
-    cache = random_bytes(shape, dtype, seed)
-    before = cache.clone()
-    ids = _pick_ids(rng, num_blocks)
-    expect = {
-        b: expected_block(
-            before[b],
-            kv_parts=1,
-            block_size=block_size,
-            heads=heads,
-            ratio=ratio,
-            remote_layout=remote,
-            local_layout=local,
-        )
-        for b in ids
-    }
-    block_ids = torch.tensor(ids) if seed % 2 else ids
-    view = block_rows(cache, layout=local, block_size=block_size, num_heads=heads)
-    postprocess_tensors([view], block_ids, ratio=ratio, remote_layout=remote, backend=backend)
-    _check(cache, ids, expect, before)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("remote_block_size", REMOTE_BLOCK_SIZES)
+@pytest.mark.parametrize(("remote", "local"), PAIRS)
+def test_preset_pairs_match_the_reference(remote, local, remote_block_size, dtype, backend) -> None:
+    rng = random.Random(f"{remote}{local}{remote_block_size}{dtype}")
+    cache = make_cache(
+        local, dtype=dtype, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, seed=rng.randrange(99)
+    )
+    requests = requests_for(rng, remote_block_size)
+    cache.postprocess(backend).apply(requests, remote, remote_block_size)
+    check_cache(cache, requests, remote, remote_block_size)
+
+
+@settings(max_examples=60)
+@given(cases(max_chunk=2, max_ratio=3), st.sampled_from(BACKENDS), st.randoms())
+def test_random_formats_match_the_reference(case: Case, backend: str, rng) -> None:
+    """Any valid pair of formats through the kernels (the planner is checked more widely in
+    test_planner.py)."""
+    dtype = {1: "uint8", 2: "bfloat16", 4: "float32"}[case.itemsize]
+    cache = make_cache(
+        case.local,
+        dtype=dtype,  # type: ignore[arg-type]
+        block_size=case.block_size,
+        num_blocks=8 * case.pages_per_group,
+        heads=case.sizes["H"],
+        head_dim=case.sizes["C"],
+        layers=case.sizes["L"],
+        seed=rng.randrange(99),
+    )
+    ids = rng.sample(range(8 * case.pages_per_group), 4 * case.pages_per_group)
+    requests = [(ids, 0)]
+    if case.covered:  # one partly covered page, after full ones
+        requests = [(ids, (len(ids) - 1) * case.remote_pages + case.covered)]
+    cache.postprocess(backend).apply(requests, case.remote, case.remote_block_size)
+    check_cache(cache, requests, case.remote, case.remote_block_size)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("seed", range(24))
-@pytest.mark.parametrize("arrangement", ["split", "blocks_first"])
-def test_cache_tensors_match_reference(seed: int, arrangement: str, backend: str) -> None:
-    """Split (2, nb, ...) and blocks-first (nb, 2, ...) tensors of several layers at once."""
-    rng = random.Random(1000 + seed)
-    ratio = rng.choice([1, 2, 4, 8, 16])
-    block_size = ratio * rng.choice([1, 2, 4])
-    heads, head_dim = rng.randint(1, 4), rng.choice([2, 7, 16, 128])
-    dtype = rng.choice(DTYPES)
-    remote, local = rng.choice(LAYOUTS), rng.choice(LAYOUTS)
-    num_blocks = rng.randint(2, 9)
-    block = _block_shape(local, block_size, heads, head_dim)
-    layers = []
-    for layer in range(rng.randint(1, 3)):
-        shape = [2, num_blocks, *block] if arrangement == "split" else [num_blocks, 2, *block]
-        layers.append(random_bytes(shape, dtype, seed * 10 + layer))
-    befores = [t.clone() for t in layers]
-    views = []
-    for t in layers:
-        if arrangement == "split":
-            views += [
-                block_rows(t[kv], layout=local, block_size=block_size, num_heads=heads)
-                for kv in range(2)
-            ]
-        else:
-            views.append(
-                block_rows(t, layout=local, block_size=block_size, num_heads=heads, kv_parts=2)
-            )
-    ids = _pick_ids(rng, num_blocks)
-    postprocess_tensors(views, ids, ratio=ratio, remote_layout=remote, backend=backend)
-    for t, before in zip(layers, befores, strict=True):
-        parts = (
-            [(t[kv], before[kv], 1) for kv in range(2)]
-            if arrangement == "split"
-            else [(t, before, 2)]
-        )
-        for now, was, kv_parts in parts:
-            expect = {
-                b: expected_block(
-                    was[b],
-                    kv_parts=kv_parts,
-                    block_size=block_size,
-                    heads=heads,
-                    ratio=ratio,
-                    remote_layout=remote,
-                    local_layout=local,
-                )
-                for b in ids
-            }
-            _check(now, ids, expect, was)
+def test_covered_follows_vllm(backend) -> None:
+    """covered_sub_blocks counts remote pages from the request's first block: the page where it
+    ends keeps its covered tokens and zeroes the rest; later pages are zeroed whole."""
+    cache = make_cache("HND", dtype="bfloat16", block_size=8, num_blocks=10, tensors=1)
+    requests = [([4, 1, 7, 2], 5)]  # ratio 4: block 4 full, block 1 one sub-page, 7 and 2 zeros
+    cache.postprocess(backend).apply(requests, "NHD", 2)
+    check_cache(cache, requests, "NHD", 2)
+    raw = cache.tensors[0].view(torch.uint8).reshape(2, 10, -1)
+    assert not raw[:, [7, 2]].any()
+    # Block 1, local HND: tokens 2.. of every head are zeros.
+    page = raw[:, 1].reshape(2, 3, 8, 4 * 2)
+    assert not page[:, :, 2:].any() and page[:, :, :2].any()
 
 
-def test_strided_blocks_are_supported() -> None:
-    """A K half of a blocks-first tensor has a block stride twice its block size."""
-    full = random_bytes([6, 2, 3, 4, 8], torch.bfloat16, 7)  # (nb, kv, heads, tokens, dim): HND
-    before = full.clone()
-    k = full[:, 0]
-    postprocess_blocks(k, [1, 4], ratio=2, remote_layout="NHD", local_layout="HND")
-    for b in range(6):
-        if b in (1, 4):
-            want = expected_block(
-                before[b, 0],
-                kv_parts=1,
-                block_size=4,
-                heads=3,
-                ratio=2,
-                remote_layout="NHD",
-                local_layout="HND",
-            )
-            assert same_bytes(full[b, 0], want)
-        else:
-            assert same_bytes(full[b, 0], before[b, 0])
-        assert same_bytes(full[b, 1], before[b, 1]), "V halves are never touched"
+def test_identical_formats_need_no_work_but_uncovered_pages_do() -> None:
+    cache = make_cache("NHD", dtype="bfloat16", block_size=8, num_blocks=10)
+    post = cache.postprocess()
+    assert not post.needs_work("NHD", 2)
+    assert not post.needs_work("NHD", 16)
+    assert post.needs_work("HND", 2)
+    assert post.needs_work("NHD", 2, covered=3)  # number of ids unknown: assume a tail
+    assert post.needs_work("NHD", 2, covered=3, num_ids=1)
+    assert not post.needs_work("NHD", 2, covered=4, num_ids=1)
+    assert not post.needs_work(PRESETS["NHD"], 8)
+    post.apply([([3, 5], 0)], "NHD", 2)
+    assert all(same_bytes(t, b) for t, b in zip(cache.tensors, cache.before, strict=True))
 
 
-def test_nothing_to_do_pairs() -> None:
-    for ratio in (1, 2, 4):
-        assert (
-            row_plan(
-                kv_parts=1,
-                block_size=8,
-                num_heads=4,
-                ratio=ratio,
-                remote_layout="NHD",
-                local_layout="NHD",
-            )
-            is None
-        )
-    assert (
-        row_plan(
-            kv_parts=1, block_size=8, num_heads=4, ratio=1, remote_layout="HND", local_layout="HND"
-        )
-        is None
-    )
-    assert (
-        row_plan(
-            kv_parts=1, block_size=8, num_heads=4, ratio=2, remote_layout="HND", local_layout="HND"
-        )
-        is not None
-    )
-    assert (
-        row_plan(
-            kv_parts=1, block_size=8, num_heads=1, ratio=4, remote_layout="HND", local_layout="NHD"
-        )
-        is None
-    ), "one head: MLA-like"
+def test_a_cross_layer_page_is_one_region() -> None:
+    cache = make_cache("BLHNC", dtype="bfloat16", block_size=8, num_blocks=6, layers=3)
+    post = cache.postprocess()
+    assert post.block_bytes == 2 * 3 * 3 * 8 * 2 * 4 * 2  # two tensors, L H N (K|V) C
+    requests = [([5, 0], 0)]
+    post.apply(requests, "BLHNC", 4)
+    check_cache(cache, requests, "BLHNC", 4)
 
 
 @pytest.mark.parametrize(
-    ("ids", "kwargs", "message"),
+    ("requests", "message"),
     [
-        ([0, 4], {}, r"outside \[0, 4\)"),
-        ([-1], {}, r"outside \[0, 4\)"),
-        ([1, 2, 1], {}, "listed twice"),
-        ([0], {"ratio": 0}, "must be >= 1"),
-        ([0], {"ratio": 3}, "does not divide"),
-        ([0], {"remote_layout": "XYZ"}, "remote_layout must be one of"),
-        ([0], {"local_layout": "nhd"}, "local_layout must be one of"),
-        ([0.5], {}, "must be integers"),
-        (torch.tensor([[0]]), {}, "must be 1-D"),
-        (torch.tensor([0.0]), {}, "must be integers"),
+        ([([0, 20], 0)], r"\[20\] outside \[0, 20\)"),
+        ([([-1], 0)], r"\[-1\] outside \[0, 20\)"),
+        ([([1, 2], 0), ([3, 1], 0)], r"\[1\] listed twice"),
+        ([([1, 2], 9)], r"requests\[0\]: covered_sub_blocks 9 is not in \[0, 8\]"),
+        ([([1, 2], -1)], r"covered_sub_blocks -1"),
     ],
 )
-def test_bad_input_raises_before_any_write(ids, kwargs, message) -> None:
-    cache = random_bytes([4, 8, 2, 4], torch.float16, 3)
-    before = cache.clone()
-    args = {"ratio": 2, "remote_layout": "HND", "local_layout": "NHD", **kwargs}
+def test_bad_requests_raise_before_any_write(requests, message) -> None:
+    cache = make_cache("NHD", dtype="float16", block_size=8, num_blocks=20)
     with pytest.raises(ValueError, match=message):
-        postprocess_blocks(cache, ids, **args)
-    assert same_bytes(cache, before)
+        cache.postprocess().apply(requests, "HND", 2)
+    assert all(same_bytes(t, b) for t, b in zip(cache.tensors, cache.before, strict=True))
 
 
-def test_empty_id_list_is_a_no_op() -> None:
-    cache = random_bytes([3, 8, 2, 4], torch.float16, 4)
-    before = cache.clone()
-    postprocess_blocks(cache, [], ratio=2, remote_layout="HND", local_layout="NHD")
-    assert same_bytes(cache, before)
+def test_remote_pages_larger_than_local_ones_need_whole_groups() -> None:
+    cache = make_cache("NHD", dtype="float16", block_size=8, num_blocks=20)
+    with pytest.raises(ValueError, match=r"requests\[1\]: 3 block ids do not fill whole groups"):
+        cache.postprocess().apply([([0, 1], 0), ([2, 3, 4], 0)], "HND", 16)
+    with pytest.raises(ValueError, match="neither divides"):
+        cache.postprocess().apply([([0], 0)], "HND", 12)
+    assert all(same_bytes(t, b) for t, b in zip(cache.tensors, cache.before, strict=True))
 
 
-def test_reference_agrees_with_a_semantic_round_trip() -> None:
-    """Independent of both implementations: build what NIXL would deliver from known tokens."""
-    nP, ratio, heads, dim = 4, 3, 2, 5
-    block_size = nP * ratio
-    tokens = torch.arange(block_size * heads * dim, dtype=torch.float32).view(
-        block_size, heads, dim
+def test_formats_that_hold_other_elements_are_refused() -> None:
+    cache = make_cache("NHD", dtype="float16", block_size=8, num_blocks=4)
+    with pytest.raises(FormatError, match="regions"):
+        cache.postprocess().apply([([0], 0)], "blocks_first_NHD", 8)
+    with pytest.raises(FormatError, match="unknown preset"):
+        cache.postprocess().needs_work("nhd", 8)
+    with pytest.raises(FormatError, match=r"remote_format\.k: axis 'H' appears twice"):
+        cache.postprocess().apply([([0], 0)], PageFormat(k=("H", "H", "C"), regions="kv"), 8)
+
+
+def test_plans_too_large_are_refused() -> None:
+    cache = make_cache(
+        PageFormat(k=("C", "N")),
+        dtype="uint8",
+        block_size=2048,
+        num_blocks=1,
+        heads=1,
+        head_dim=2049,
+        tensors=1,
     )
-    # The prefill side holds sub-block s as HND (heads, nP, dim); NIXL copies them back to back.
-    received = torch.cat(
-        [tokens[s * nP : (s + 1) * nP].permute(1, 0, 2).reshape(-1) for s in range(ratio)]
-    ).view(1, block_size, heads, dim)
-    postprocess_blocks(received, [0], ratio=ratio, remote_layout="HND", local_layout="NHD")
-    assert torch.equal(received[0], tokens)
+    with pytest.raises(PlanError, match="MAX_PLAN_UNITS"):
+        cache.postprocess().apply([([0], 0)], PageFormat(k=("N", "C")), 2048)
+
+
+def test_empty_requests_are_a_no_op() -> None:
+    cache = make_cache("NHD", dtype="float16", block_size=8, num_blocks=3)
+    cache.postprocess().apply([], "HND", 2)
+    cache.postprocess().apply([([], 0)], "HND", 2)
+    assert all(same_bytes(t, b) for t, b in zip(cache.tensors, cache.before, strict=True))
+
+
+def test_regions_must_agree() -> None:
+    a = make_cache("NHD", dtype="float16", block_size=8, num_blocks=3)
+    b = make_cache("NHD", dtype="float16", block_size=8, num_blocks=4)
+    with pytest.raises(ValueError, match=r"regions\[4\]: 4 blocks"):
+        CachePostProcess(a.regions() + b.regions())
+    c = make_cache("NHD", dtype="float16", block_size=4, num_blocks=3)
+    with pytest.raises(ValueError, match=r"regions\[4\]: block size 4"):
+        CachePostProcess(a.regions() + c.regions())
+    with pytest.raises(ValueError, match="at least one region"):
+        CachePostProcess([])
+
+
+def test_mixed_formats_in_one_cache() -> None:
+    """Regions of several formats each get their own plan; one remote format must fit them all
+    (the daemon keeps one post-process per local format)."""
+    split = make_cache("NHD", dtype="bfloat16", block_size=8, num_blocks=6)
+    v_apart = PageFormat(k=("N", "H", "C"), v=("H", "N", "C"), regions="kv")
+    other = make_cache(v_apart, dtype="bfloat16", block_size=8, num_blocks=6)
+    post = CachePostProcess(split.regions() + other.regions())
+    requests = [([1, 4], 0)]
+    post.apply(requests, "HND", 4)
+    check_cache(split, requests, "HND", 4)
+    check_cache(other, requests, "HND", 4)
+    flat = make_cache("blocks_first_NHD", dtype="bfloat16", block_size=8, num_blocks=6)
+    mixed = CachePostProcess(split.regions() + flat.regions())
+    with pytest.raises(FormatError, match="regions"):
+        mixed.needs_work("NHD", 8)
+    snapshot = split.tensors[0].clone()
+    with pytest.raises(FormatError):
+        mixed.apply([([1], 0)], "HND", 4)
+    assert same_bytes(split.tensors[0], snapshot)

@@ -1,7 +1,9 @@
 """Runs kvd's Triton kernels under the Triton interpreter (CPU) against the reference.
 
 Run by tests/test_kernels.py in a subprocess with TRITON_INTERPRET=1: the variable must be set
-before the kernels are defined, and must not leak into tests that use a real GPU.
+before the kernels are defined, and must not leak into tests that use a real GPU. The
+interpreter stands in for a device: each case's ``CachePostProcess`` is switched to the Triton
+backend on CPU memory.
 Prints one line per case and exits non-zero on the first mismatch.
 """
 
@@ -11,70 +13,63 @@ import os
 import random
 import sys
 
-import torch
-
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 from kvd.kernels import gpu  # noqa: E402
-from kvd.postprocess import block_rows, row_plan  # noqa: E402
-from tests.reference import expected_block, random_bytes, same_bytes  # noqa: E402
+from tests.kernel_cases import check_cache, make_cache  # noqa: E402
+
+CASES = [
+    # (remote, local, local block size, remote block size, dtype)
+    ("HND", "NHD", 4, 4, "bfloat16"),
+    ("HND", "NHD", 8, 2, "float8_e4m3fn"),
+    ("HND", "HND", 8, 4, "float32"),
+    ("NHD", "HND", 4, 16, "bfloat16"),
+    ("HND", "NHD", 2, 8, "float32"),
+    ("cpu_attn_vec", "cpu_attn_vec", 8, 4, "bfloat16"),
+    ("cpu_attn_vec", "cpu_attn_vec", 8, 2, "float32"),
+    ("cpu_attn_vec", "cpu_attn_vec", 4, 8, "bfloat16"),
+    ("blocks_first_HND", "blocks_first_NHD", 8, 4, "bfloat16"),
+    ("LBHNC", "LBNHC", 4, 2, "float8_e4m3fn"),
+    ("LBHNC", "LBHNC", 4, 16, "bfloat16"),
+    ("BLHNC", "BLNHC", 4, 2, "bfloat16"),
+    ("BHLNC", "BHLNC", 8, 2, "float32"),
+    ("LHBNC", "LHBNC", 8, 4, "bfloat16"),
+    ("single_HND", "single_NHD", 4, 1, "float32"),
+]
 
 
-def check(seed: int, *, big: bool) -> str:
-    rng = random.Random(seed)
-    ratio = rng.choice([1, 2, 4, 8])
-    block_size = ratio * rng.choice([1, 2])
-    heads = rng.randint(1, 3)
-    head_dim = rng.choice([3, 8, 16, 5])
-    dtype = rng.choice([torch.bfloat16, torch.float8_e4m3fn, torch.uint8, torch.float32])
-    remote, local = rng.choice(["NHD", "HND"]), rng.choice(["NHD", "HND"])
-    kv_parts = rng.choice([1, 2])
-    num_blocks = rng.randint(2, 6)
-    block = [block_size, heads, head_dim] if local == "NHD" else [heads, block_size, head_dim]
-    shape = [num_blocks, 2, *block] if kv_parts == 2 else [num_blocks, *block]
-    tensors = [random_bytes(shape, dtype, seed * 7 + i) for i in range(rng.randint(1, 3))]
-    before = [t.clone() for t in tensors]
-    views = [
-        block_rows(t, layout=local, block_size=block_size, num_heads=heads, kv_parts=kv_parts)
-        for t in tensors
-    ]
-    plan = row_plan(
-        kv_parts=kv_parts,
-        block_size=block_size,
-        num_heads=heads,
-        ratio=ratio,
-        remote_layout=remote,
-        local_layout=local,
+def check(n: int, case: tuple[str, str, int, int, str], *, two_pass: bool) -> str:
+    remote, local, nD, nP, dtype = case
+    rng = random.Random(n)
+    cache = make_cache(local, dtype=dtype, block_size=nD, num_blocks=12, seed=n)
+    pages_per_group = max(1, nP // nD)
+    remote_pages = max(1, nD // nP)
+    ids = rng.sample(range(12), 2 * pages_per_group)
+    covered = 0
+    if remote_pages > 1 and n % 2:
+        covered = remote_pages + 1  # the second page partly covered
+    requests = [(ids, covered)]
+    name = (
+        f"{remote}->{local} {nP}->{nD} {dtype} pages={pages_per_group} covered={covered} "
+        f"two_pass={two_pass}"
     )
-    ids = rng.sample(range(num_blocks), rng.randint(1, num_blocks))
-    case = f"seed={seed} {remote}->{local} r={ratio} kv_parts={kv_parts} {dtype} big={big}"
-    if plan is None:
-        return f"{case}: nothing to do"
     saved = gpu.MAX_TILE_BYTES
-    gpu.MAX_TILE_BYTES = 0 if big else saved  # force the two-pass path
+    gpu.MAX_TILE_BYTES = 0 if two_pass else saved
+    post = cache.postprocess()
+    post.backend = "triton"  # the interpreter runs Triton on CPU memory
     try:
-        gpu.permute_blocks([v.rows for v in views], ids, plan)
+        post.apply(requests, remote, nP)
     finally:
         gpu.MAX_TILE_BYTES = saved
-    for now, was in zip(tensors, before, strict=True):
-        for b in range(num_blocks):
-            want = was[b]
-            if b in ids:
-                want = expected_block(
-                    was[b],
-                    kv_parts=kv_parts,
-                    block_size=block_size,
-                    heads=heads,
-                    ratio=ratio,
-                    remote_layout=remote,
-                    local_layout=local,
-                )
-            if not same_bytes(now[b], want):
-                raise SystemExit(f"{case}: block {b} differs")
-    return f"{case}: ok"
+    try:
+        check_cache(cache, requests, remote, nP)
+    except AssertionError as exc:
+        raise SystemExit(f"{name}: {exc}") from None
+    return f"{name}: ok"
 
 
 if __name__ == "__main__":
-    cases = int(sys.argv[1]) if len(sys.argv) > 1 else 12
-    for seed in range(cases):
-        print(check(seed, big=seed % 3 == 2), flush=True)
+    for n, case in enumerate(CASES):
+        for two_pass in (False, True):
+            print(check(2 * n + two_pass, case, two_pass=two_pass), flush=True)
+    sys.exit(0)

@@ -1,13 +1,13 @@
 """``kvd bench kernels``: the post-process against a plain copy and the vLLM-style chain.
 
-For each case (layout pair, ratio, dtype) three things run on the same listed blocks of the
-same tensors, in an order that rotates every repetition:
+For each case (remote format -> local format, block sizes, dtype) three things run on the same
+listed blocks of the same tensors, in an order that rotates every repetition:
 
 - ``copy``: a plain copy of the same number of bytes between two contiguous buffers (the floor:
   the post-process must read each byte once and write it once);
-- ``kvd``: ``postprocess_tensors`` (the kernel, one call for every tensor);
-- ``vllm``: the chain vLLM runs per tensor today (``index_select -> reshape/permute ->
-  index_copy_``; NHD -> HND has no vLLM counterpart).
+- ``kvd``: ``CachePostProcess.apply`` (one kernel call per plan for every tensor);
+- ``vllm``: the chain vLLM runs per tensor (``index_select -> reshape/permute -> index_copy_``),
+  where vLLM has one for the case.
 
 Reported: kvd's GB/s (listed bytes / time), and the medians of the per-repetition ratios
 kvd/copy and vllm/kvd.
@@ -20,39 +20,69 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
 from kvd.dtypes import torch_dtype
-from kvd.postprocess import Backend, BlockRows, block_rows, postprocess_tensors
+from kvd.kernels import CachePostProcess, region_views
+from kvd.layout.formats import PRESETS, PageSizes, is_cross_layer, page_elements
+from kvd.layout.geometry import TensorGeometry
 from kvd.protocol import DTypeName
+from kvd.tables import format_table
 
-# The cases the targets name first, then the rest of the space.
-CASES: list[tuple[str, str, int, DTypeName]] = [
-    ("HND", "NHD", 1, "bfloat16"),
-    ("HND", "NHD", 4, "bfloat16"),
-    ("HND", "HND", 4, "bfloat16"),
-    ("HND", "NHD", 16, "bfloat16"),
-    ("HND", "HND", 2, "bfloat16"),
-    ("NHD", "HND", 1, "bfloat16"),
-    ("HND", "NHD", 4, "float8_e4m3fn"),
-    ("HND", "NHD", 1, "float32"),
+
+@dataclass(frozen=True)
+class Case:
+    """``remote`` pages of ``remote_block_size`` tokens landed in ``local`` pages; the local
+    block size is the bench's ``--block-size`` times ``local_scale``."""
+
+    remote: str
+    local: str
+    ratio: int  # nD / nP, or -(nP / nD) for remote pages larger than local ones
+    dtype: DTypeName
+
+    def block_sizes(self, block_size: int) -> tuple[int, int]:
+        """(nD, nP) for the bench's ``--block-size`` (the larger of the two)."""
+        if self.ratio > 0:
+            return block_size, block_size // self.ratio
+        return block_size // -self.ratio, block_size
+
+    @property
+    def label(self) -> str:
+        pair = self.remote if self.remote == self.local else f"{self.remote}->{self.local}"
+        size = f"r={self.ratio}" if self.ratio > 0 else f"nP={-self.ratio}nD"
+        return f"{pair} {size} {self.dtype}"
+
+
+CASES = [
+    Case("HND", "NHD", 1, "bfloat16"),
+    Case("HND", "NHD", 4, "bfloat16"),
+    Case("HND", "HND", 4, "bfloat16"),
+    Case("NHD", "NHD", 4, "bfloat16"),
+    Case("cpu_attn_vec", "cpu_attn_vec", 2, "bfloat16"),
+    Case("cpu_attn_vec", "cpu_attn_vec", 4, "bfloat16"),
+    Case("cpu_attn_vec", "cpu_attn_vec", 2, "float32"),
+    Case("cpu_attn_vec", "cpu_attn_vec", 4, "float32"),
+    Case("BLHNC", "BLHNC", 4, "bfloat16"),
+    Case("LBHNC", "LBHNC", 4, "bfloat16"),
+    Case("HND", "HND", -4, "bfloat16"),
+    Case("HND", "NHD", -4, "bfloat16"),
+    Case("NHD", "HND", 1, "bfloat16"),
+    Case("HND", "NHD", 4, "float8_e4m3fn"),
+    Case("HND", "NHD", 1, "float32"),
 ]
-TARGET_CASES = {("HND", "NHD", 1), ("HND", "NHD", 4), ("HND", "HND", 4)}
-TARGET_COPY = {"cpu": 2.0}  # at most this many times a plain copy
-TARGET_VLLM = 3.0  # at least this many times faster than the vLLM-style chain
+TARGET_COPY = {"cpu": 1.3}  # every bfloat16 case at most this many times a plain copy
 TARGET_COPY_BANDWIDTH = {"cuda": 0.8}  # at least this fraction of a copy's bandwidth
+TARGET_VLLM = 3.0  # at least this many times faster than vLLM's chain, where it has one
 
 
 @dataclass
 class Row:
-    remote_layout: str
-    local_layout: str
-    ratio: int
-    dtype: str
+    case: str
     mbytes: float
     kvd_gbps: float
     copy_gbps: float
@@ -79,8 +109,9 @@ def vllm_chain(
 ) -> None:
     """vLLM's decode-side post-process on one tensor, as its connector runs it.
 
-    vLLM sees the cache as logical (num_blocks, block_size, heads, head_dim); an HND cache is a
-    permuted view of HND physical memory.
+    ``physical`` is one K or V half ([num_blocks, page]) of a split cache, or a per-layer
+    LBHNC tensor. vLLM sees the cache as logical (num_blocks, block_size, heads, head_dim)
+    (content K|V packed for LBHNC); an HND cache is a permuted view of HND physical memory.
     """
     if local == "NHD" and remote == "HND" and ratio == 1:
         blocks = physical.index_select(0, idx)
@@ -91,61 +122,90 @@ def vllm_chain(
         n, bs, h, d = blocks.shape
         merged = blocks.reshape(n, ratio, h, bs // ratio, d).permute(0, 1, 3, 2, 4).flatten(1, 2)
         physical.index_copy_(0, idx, merged)
-    elif local == "HND" and remote == "HND":
-        logical = physical.permute(0, 2, 1, 3)
-        blocks = logical.index_select(0, idx).permute(0, 2, 1, 3)
+    elif local == remote and local in ("HND", "LBHNC"):
+        # kv_postprocess_blksize_on_receive: [B, H, N, C] blocks, sub-blocks head-major.
+        blocks = physical.index_select(0, idx)
         n, h, bs, d = blocks.shape
         merged = blocks.reshape(n, ratio, h, bs // ratio, d).permute(0, 2, 1, 3, 4).flatten(2, 3)
-        logical.index_copy_(0, idx, merged.permute(0, 2, 1, 3))
+        physical.index_copy_(0, idx, merged)
     else:
         raise ValueError(f"vLLM has no post-process for {remote} -> {local}")
 
 
-def run_case(
-    args: argparse.Namespace, remote: str, local: str, ratio: int, dtype_name: DTypeName
-) -> Row:
-    device = torch.device(args.device)
-    dtype = torch_dtype(dtype_name)
-    shape_block = (
-        (args.block_size, args.heads, args.head_dim)
-        if local == "NHD"
-        else (args.heads, args.block_size, args.head_dim)
-    )
+def has_vllm_chain(case: Case) -> bool:
+    if case.ratio < 1:
+        return False  # vLLM 0.32 refuses remote blocks larger than local ones
+    if (case.remote, case.local) == ("HND", "NHD"):
+        return True
+    return case.remote == case.local and case.local in ("HND", "LBHNC") and case.ratio > 1
+
+
+def _tensors(
+    args: argparse.Namespace, case: Case, device: torch.device
+) -> tuple[list[torch.Tensor], TensorGeometry, int]:
+    """The local cache as an engine holds it: per-layer tensors (split ones [2, nb, page]), or
+    one tensor of every layer for a cross-layer format. Random bytes, made where they live."""
+    nD, _ = case.block_sizes(args.block_size)
+    fmt = PRESETS[case.local]
+    dtype = torch_dtype(case.dtype)
+    layers = args.layers if is_cross_layer(fmt) else 1
+    sizes = PageSizes(layers, args.heads, nD, args.head_dim, dtype.itemsize)
+    # The same bytes in every case: smaller pages, more of them.
+    num_blocks = args.num_blocks * args.block_size // nD
+    geometry = TensorGeometry(fmt, sizes, num_blocks)
+    page = page_elements(fmt, sizes)
+    count = 1 if is_cross_layer(fmt) else args.layers
+    shape = [2, num_blocks, page] if fmt.regions == "kv" else [num_blocks, page]
     torch.manual_seed(0)
-    raw_shape = (args.num_blocks, *shape_block[:-1], shape_block[-1] * dtype.itemsize)
-    parts = [  # K and V of every layer, as split tensors; random bytes made where they live
-        torch.randint(0, 256, raw_shape, dtype=torch.uint8, device=device).view(dtype)
-        for _ in range(2 * args.layers)
+    tensors = [
+        torch.randint(
+            0, 256, [*shape[:-1], page * dtype.itemsize], dtype=torch.uint8, device=device
+        )
+        for _ in range(count)
     ]
-    views: list[BlockRows] = [
-        block_rows(p, layout=local, block_size=args.block_size, num_heads=args.heads) for p in parts
-    ]
-    ids = torch.randperm(args.num_blocks)[: args.blocks].tolist()
+    return tensors, geometry, args.blocks * args.block_size // nD
+
+
+def run_case(args: argparse.Namespace, case: Case, progress: Callable[[], None]) -> Row:
+    device = torch.device(args.device)
+    nD, nP = case.block_sizes(args.block_size)
+    tensors, geometry, listed_blocks = _tensors(args, case, device)
+    post = CachePostProcess(
+        [v for t in tensors for v in region_views(t, geometry)], device, args.backend
+    )
+    ids = torch.randperm(geometry.num_blocks)[:listed_blocks].tolist()
     idx = torch.tensor(ids, device=device)
-    listed = sum(p[0].numel() * p.element_size() for p in parts) * len(ids)
+    listed = post.block_bytes * len(ids)
     src = torch.empty(listed, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    backend: Backend = args.backend
+    remote = PRESETS[case.remote]
 
     def kvd() -> None:
-        postprocess_tensors(views, ids, ratio=ratio, remote_layout=remote, backend=backend)
+        post.apply([(ids, 0)], remote, nP)
 
     def copy() -> None:
         dst.copy_(src)
 
-    has_vllm = not (remote == "NHD" and local == "HND")
-
-    # vLLM keeps fp8 caches in uint8 storage (and torch has no CPU index_copy_ for fp8).
-    vllm_parts = [p.view(torch.uint8) if p.element_size() == 1 else p for p in parts]
-
-    def vllm() -> None:
-        for p in vllm_parts:
-            vllm_chain(p, idx, remote=remote, local=local, ratio=ratio)
-
     runs: dict[str, Callable[[], None]] = {"copy": copy, "kvd": kvd}
-    if has_vllm:
+    if has_vllm_chain(case):
+        dtype = torch_dtype(case.dtype)
+        # vLLM keeps fp8 caches in uint8 storage (and torch has no CPU index_copy_ for fp8).
+        view = torch.uint8 if dtype.itemsize == 1 else dtype
+        halves = [h for t in tensors for h in (t if geometry.format.regions == "kv" else [t])]
+        if case.local == "NHD":
+            block = (nD, args.heads, args.head_dim)
+        elif case.local == "HND":
+            block = (args.heads, nD, args.head_dim)
+        else:
+            block = (args.heads, nD, 2 * args.head_dim)
+        logical = [h.view(view).view(geometry.num_blocks, *block) for h in halves]
+
+        def vllm() -> None:
+            for t in logical:
+                vllm_chain(t, idx, remote=case.remote, local=case.local, ratio=case.ratio)
+
         runs["vllm"] = vllm
-    for fn in runs.values():  # warm-up (first-touch, kernel compilation)
+    for fn in runs.values():  # warm-up (first touch, kernel compilation)
         fn()
     times: dict[str, list[float]] = {name: [] for name in runs}
     names = list(runs)
@@ -153,26 +213,24 @@ def run_case(
         order = names[rep % len(names) :] + names[: rep % len(names)]
         for name in order:
             times[name].append(_timed(runs[name], device))
+        progress()
     kvd_over_copy = statistics.median(
         k / c for k, c in zip(times["kvd"], times["copy"], strict=True)
     )
     vllm_over_kvd = (
         statistics.median(v / k for v, k in zip(times["vllm"], times["kvd"], strict=True))
-        if has_vllm
+        if "vllm" in times
         else None
     )
     meets: bool | None = None
-    if (remote, local, ratio) in TARGET_CASES and dtype_name == "bfloat16":
-        meets = vllm_over_kvd is not None and vllm_over_kvd >= TARGET_VLLM
+    if case.dtype == "bfloat16":
+        meets = vllm_over_kvd is None or vllm_over_kvd >= TARGET_VLLM
         if device.type in TARGET_COPY:
             meets = meets and kvd_over_copy <= TARGET_COPY[device.type]
         if device.type in TARGET_COPY_BANDWIDTH:
             meets = meets and 1 / kvd_over_copy >= TARGET_COPY_BANDWIDTH[device.type]
     return Row(
-        remote_layout=remote,
-        local_layout=local,
-        ratio=ratio,
-        dtype=dtype_name,
+        case=case.label,
         mbytes=listed / 1e6,
         kvd_gbps=listed / statistics.median(times["kvd"]) / 1e9,
         copy_gbps=listed / statistics.median(times["copy"]) / 1e9,
@@ -182,21 +240,27 @@ def run_case(
     )
 
 
+@contextmanager
+def _progress(total: int, enabled: bool) -> Iterator[Callable[[], None]]:
+    """A tqdm bar on a terminal; nothing otherwise."""
+    if not enabled or not sys.stderr.isatty():
+        yield lambda: None
+        return
+    from tqdm import tqdm
+
+    with tqdm(total=total, desc="kvd bench kernels", unit="rep", leave=False) as bar:
+        yield lambda: bar.update(1)
+
+
 def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("kvd bench kernels: --device cuda but CUDA is not available", file=sys.stderr)
         return 2
+    cases = [c for c in CASES if args.block_size % abs(c.ratio) == 0]
     rows = []
-    for remote, local, ratio, dtype in CASES:
-        if args.block_size % ratio:
-            continue
-        row = run_case(args, remote, local, ratio, dtype)
-        rows.append(row)
-        if not args.json:
-            print(
-                f"  {remote}->{local} r={ratio} {dtype}: {row.kvd_gbps:.1f} GB/s", file=sys.stderr
-            )
+    with _progress(len(cases) * args.repeat, not args.json) as step:
+        rows = [run_case(args, case, step) for case in cases]
     report: dict[str, Any] = {
         "benchmark": "kernels",
         "device": str(device),
@@ -205,7 +269,6 @@ def run(args: argparse.Namespace) -> int:
         "backend": args.backend,
         "geometry": {
             "layers": args.layers,
-            "tensors": 2 * args.layers,
             "num_blocks": args.num_blocks,
             "listed_blocks": args.blocks,
             "block_size": args.block_size,
@@ -214,10 +277,10 @@ def run(args: argparse.Namespace) -> int:
         },
         "repeat": args.repeat,
         "targets": {
-            "vllm_over_kvd_at_least": TARGET_VLLM,
             "kvd_over_copy_at_most": TARGET_COPY.get(device.type),
             "copy_bandwidth_fraction_at_least": TARGET_COPY_BANDWIDTH.get(device.type),
-            "cases": sorted(f"{r}->{lo} r={n} bfloat16" for r, lo, n in TARGET_CASES),
+            "vllm_over_kvd_at_least": TARGET_VLLM,
+            "cases": "every bfloat16 case",
         },
         "rows": [asdict(r) for r in rows],
         "meets_targets": all(r.meets_target for r in rows if r.meets_target is not None),
@@ -228,22 +291,20 @@ def run(args: argparse.Namespace) -> int:
 
 def _table(report: dict[str, Any]) -> str:
     g = report["geometry"]
-    lines = [
-        f"kvd bench kernels on {report['device_name']} ({report['threads']} threads, backend "
-        f"{report['backend']}): {g['tensors']} tensors x {g['listed_blocks']} of "
-        f"{g['num_blocks']} blocks, {g['block_size']} tokens x {g['heads']} heads x "
-        f"{g['head_dim']} head_dim, median of {report['repeat']} interleaved repetitions",
-        "",
-        f"{'case':28}{'MB':>8}{'kvd GB/s':>10}{'copy GB/s':>11}{'kvd/copy':>10}{'vllm/kvd':>10}"
-        "  target",
-    ]
+    cells = [["case", "MB", "kvd GB/s", "copy GB/s", "kvd/copy", "vllm/kvd", "target"]]
     for r in report["rows"]:
-        case = f"{r['remote_layout']}->{r['local_layout']} r={r['ratio']} {r['dtype']}"
         vllm = f"{r['vllm_over_kvd']:.1f}x" if r["vllm_over_kvd"] is not None else "n/a"
         target = {None: "", True: "met", False: "MISSED"}[r["meets_target"]]
-        lines.append(
-            f"{case:28}{r['mbytes']:>8.1f}{r['kvd_gbps']:>10.1f}{r['copy_gbps']:>11.1f}"
-            f"{r['kvd_over_copy']:>9.2f}x{vllm:>10}  {target}"
+        cells.append(
+            [
+                r["case"],
+                f"{r['mbytes']:.1f}",
+                f"{r['kvd_gbps']:.1f}",
+                f"{r['copy_gbps']:.1f}",
+                f"{r['kvd_over_copy']:.2f}x",
+                vllm,
+                target,
+            ]
         )
     t = report["targets"]
     bound = (
@@ -251,10 +312,19 @@ def _table(report: dict[str, Any]) -> str:
         if t["kvd_over_copy_at_most"]
         else f">= {t['copy_bandwidth_fraction_at_least']:.0%} of copy bandwidth"
     )
-    lines += [
-        "",
-        f"targets for {', '.join(t['cases'])}: {bound} and vllm/kvd >= "
-        f"{t['vllm_over_kvd_at_least']}x",
-        "meets targets: " + ("yes" if report["meets_targets"] else "no"),
-    ]
-    return "\n".join(lines)
+    missed = [r["case"] for r in report["rows"] if r["meets_target"] is False]
+    return "\n".join(
+        [
+            f"kvd bench kernels on {report['device_name']} ({report['threads']} threads, backend "
+            f"{report['backend']}): {g['layers']} layers, {g['listed_blocks']} of "
+            f"{g['num_blocks']} blocks of {g['block_size']} tokens x {g['heads']} heads x "
+            f"{g['head_dim']} head_dim (smaller blocks: more of them, same bytes), median of "
+            f"{report['repeat']} interleaved repetitions",
+            "",
+            *format_table(cells, right=(1, 2, 3, 4, 5)),
+            "",
+            f"targets for {t['cases']}: {bound}, and vllm/kvd >= {t['vllm_over_kvd_at_least']}x "
+            "where vLLM has a chain",
+            "meets targets: " + ("yes" if report["meets_targets"] else f"no ({', '.join(missed)})"),
+        ]
+    )

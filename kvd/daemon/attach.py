@@ -11,16 +11,17 @@ import torch
 from kvd.daemon.memory import AttachError, Opener, populate
 from kvd.daemon.registry import AttachedCache, AttachedTensor, Owner
 from kvd.dtypes import torch_dtype
-from kvd.geometry import GeometryError, cache_geometry
-from kvd.postprocess import BlockRows, block_rows, plan_groups
-from kvd.protocol import Attach, Reason
+from kvd.kernels import CachePostProcess, region_views
+from kvd.layout.formats import FormatError, has_heads, legacy_remote_format
+from kvd.layout.geometry import GeometryError, cache_geometry
+from kvd.protocol import Attach, PageFormat, Reason
 
 
 def open_cache(request: Attach, device: torch.device, owner: Owner) -> AttachedCache:
     """Check and open an Attach's tensors (blocking: call from a worker thread)."""
     try:
         geometries = cache_geometry(request.tensors)
-    except GeometryError as exc:
+    except (GeometryError, FormatError) as exc:
         raise AttachError(Reason.INVALID_CACHE, str(exc)) from exc
     opener = Opener(device)
     try:
@@ -49,7 +50,7 @@ def open_cache(request: Attach, device: torch.device, owner: Owner) -> AttachedC
         device=device,
         owner=owner,
         segments=segments,
-        views=_row_views(tensors),
+        postprocesses=_postprocesses(tensors, device),
     )
     if device.type == "cuda":
         warm_up(cache)
@@ -66,41 +67,31 @@ def _check_alignment(offset: int, dtype: str, itemsize: int, where: str) -> None
 
 
 def warm_up(cache: AttachedCache) -> None:
-    """Compile the CUDA kernels for this cache's geometries now, not on its first request.
+    """Compile the CUDA kernels for this cache's formats now, not on its first request.
 
-    Runs the kernel on a one-block scratch copy of each geometry, never on the engine's memory.
+    Runs each kernel on scratch pages, never on the engine's memory: for a remote page in the
+    other head/token order, at the local block size and half of it.
     """
-    seen = set()
-    for view in cache.views:
-        rows = view.rows
-        key = (rows.shape[1:], rows.dtype)
-        if key in seen:
+    for local, postprocess in cache.postprocesses.items():
+        if not has_heads(local):
             continue
-        seen.add(key)
-        scratch = torch.zeros((1, *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
-        dummy = BlockRows(scratch, view.layout, view.block_size, view.num_heads, view.kv_parts)
         for ratio in (1, 2):
-            if view.block_size % ratio == 0:
-                for group in plan_groups([dummy], ratio=ratio, remote_layout="HND"):
-                    group.apply([0])
+            if cache.block_size % ratio == 0:
+                remote = legacy_remote_format(local, "HND")
+                postprocess.warm_up(remote, cache.block_size // ratio)
     torch.cuda.synchronize(cache.device)
 
 
-def _row_views(tensors: list[AttachedTensor]) -> list[BlockRows]:
-    views = []
+def _postprocesses(
+    tensors: list[AttachedTensor], device: torch.device
+) -> dict[PageFormat, CachePostProcess]:
+    """One post-process per local page format, over every region of its tensors."""
+    by_format: dict[PageFormat, list[AttachedTensor]] = {}
     for t in tensors:
-        g = t.geometry
-        if g.arrangement == "mla":
-            continue  # no head axis: nothing to rewrite
-        parts = [t.tensor[0], t.tensor[1]] if g.arrangement == "split" else [t.tensor]
-        for part in parts:
-            views.append(
-                block_rows(
-                    part,
-                    layout=g.layout,
-                    block_size=g.block_size,
-                    num_heads=g.num_heads,
-                    kv_parts=g.kv_parts,
-                )
-            )
-    return views
+        by_format.setdefault(t.geometry.format, []).append(t)
+    return {
+        fmt: CachePostProcess(
+            [view for t in group for view in region_views(t.tensor, t.geometry)], device
+        )
+        for fmt, group in by_format.items()
+    }

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvd.daemon.ledger import Request
-from kvd.protocol import FormatRef
+from kvd.daemon.ledger import RemoteFormat, Request
 
-BatchKey = tuple[str, FormatRef, int]
+BatchKey = tuple[str, RemoteFormat, int]
 """(cache_id, remote_format, remote_block_size)."""
 
 
@@ -30,7 +29,7 @@ class Batch:
         return self.key[0]
 
     @property
-    def remote_format(self) -> FormatRef:
+    def remote_format(self) -> RemoteFormat:
         return self.key[1]
 
     @property

@@ -20,28 +20,62 @@ from dataclasses import dataclass
 import torch
 
 from kvd.daemon.batcher import Batch
+from kvd.daemon.registry import Rewrite
 from kvd.kernels import MemoryFault
-from kvd.postprocess import Group
+from kvd.layout.formats import FormatError
+from kvd.layout.planner import PlanError
+from kvd.protocol import Reason
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, eq=False)
 class WorkItem:
-    """One batch, resolved: the kernel calls of its cache and the blocks to rewrite.
+    """One batch, resolved: the kernel passes of its cache and each request's blocks.
 
     The ids were checked at ingest (in range, unique, owned by this batch alone).
     """
 
     batch: Batch
-    groups: list[Group]
-    block_ids: list[int]
+    rewrites: list[Rewrite]
+    requests: list[tuple[list[int], int]]
+    """(block ids, covered_sub_blocks) of each request of the batch, in batch order."""
     nbytes: int
-    """Bytes the rewrite moves: listed blocks times the bytes of one block in every view."""
+    """Bytes the rewrite may touch: listed blocks times the bytes of one block id."""
     error: str | None = None
     """Set by the worker when the transform raised; the batch's requests then fail."""
+    code: Reason = Reason.TRANSFORM_FAILED
+    """``invalid_format`` when the kernels refused the pair before writing a byte."""
     lost: str | None = None
     """Set when the cache's memory faulted (a segment shrank): no later request may touch it."""
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(ids) for ids, _ in self.requests)
+
+
+def run_item(item: WorkItem) -> None:
+    """Apply every kernel pass of ``item``; a failure is recorded on it, never raised.
+
+    The kernels check everything before their first write, so a refusal in the first pass
+    leaves the blocks untouched; a memory fault (a segment shrank) loses the cache.
+    """
+    for n, rewrite in enumerate(item.rewrites):
+        try:
+            rewrite.apply(item.requests)
+        except MemoryFault as exc:
+            item.error = item.lost = f"memory fault while rewriting: {exc}"
+            log.error("post-process of %d blocks: %s", item.num_blocks, exc)
+        except (PlanError, FormatError, ValueError) as exc:
+            item.error = str(exc)
+            item.code = Reason.INVALID_FORMAT if n == 0 else Reason.TRANSFORM_FAILED
+            log.error("post-process of %d blocks refused: %s", item.num_blocks, exc)
+        # A failed transform must fail its requests, not the worker: report and go on.
+        except Exception as exc:
+            log.exception("post-process of %d blocks failed", item.num_blocks)
+            item.error = f"{type(exc).__name__}: {exc}"
+        if item.error is not None:
+            return
 
 
 @dataclass(slots=True, eq=False)
@@ -90,16 +124,7 @@ class Executor:
         while (job := self._queue.get()) is not None:
             job.started_ns = time.monotonic_ns()
             for item in job.items:
-                try:
-                    for group in item.groups:
-                        group.apply(item.block_ids)
-                except MemoryFault as exc:
-                    item.error = item.lost = f"memory fault while rewriting: {exc}"
-                    log.error("post-process of %d blocks: %s", len(item.block_ids), exc)
-                # A failed transform must fail its requests, not the worker: report and go on.
-                except Exception as exc:
-                    log.exception("post-process of %d blocks failed", len(item.block_ids))
-                    item.error = f"{type(exc).__name__}: {exc}"
+                run_item(item)
             job.finished_ns = time.monotonic_ns()
             try:
                 self._loop.call_soon_threadsafe(self._finish, job)
@@ -146,14 +171,7 @@ class CudaExecutor(Executor):
             job.started_ns = time.monotonic_ns()
             with torch.cuda.stream(self.stream):
                 for item in job.items:
-                    try:
-                        for group in item.groups:
-                            group.apply(item.block_ids)
-                    except Exception as exc:
-                        log.exception(
-                            "launching the post-process of %d blocks failed", len(item.block_ids)
-                        )
-                        item.error = f"{type(exc).__name__}: {exc}"
+                    run_item(item)
                 # Blocking sync: the waiter thread sleeps instead of spinning on the event.
                 event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
                 event.record(self.stream)

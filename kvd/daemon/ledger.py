@@ -16,7 +16,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvd.daemon.journal import Key, Launch, Outcome
-from kvd.protocol import FormatRef
+from kvd.protocol import Layout, PageFormat
+
+RemoteFormat = PageFormat | Layout
+"""What a notification says of the remote pages: a page format, or a legacy NHD/HND order
+that means the local format with that order of heads and tokens."""
 
 
 class State(enum.IntEnum):
@@ -35,7 +39,7 @@ class Request:
     cache_id: str
     generation: int
     physical_block_ids: list[int]
-    remote_format: FormatRef
+    remote_format: RemoteFormat
     remote_block_size: int
     remote_engine_id: str
     received_ns: int

@@ -156,9 +156,7 @@ class Pipeline:
             self._reject(msg, Reason.SHUTTING_DOWN, "kvd is draining")
             return
         if isinstance(verdict, Accept):
-            cache = verdict.cache
-            ratio = cache.block_size // verdict.remote_block_size
-            if not msg.physical_block_ids or not cache.needs_work(ratio, verdict.remote_format):
+            if not verdict.needs_work(msg):
                 self._answer_at_once(msg, received_ns)
                 return
             request = Request(
@@ -310,11 +308,9 @@ class Pipeline:
                 self.ledger.advance(request, State.LAUNCHED)
                 self.metrics.queue_wait.observe((now - request.received_ns) / 1e9)
                 launches.append(request.launch_record())
-            block_ids = batch.block_ids()
-            ratio = cache.block_size // batch.remote_block_size
-            assert isinstance(batch.remote_format, str)
-            groups = cache.groups(ratio, batch.remote_format)
-            items.append(WorkItem(batch, groups, block_ids, len(block_ids) * cache.work_bytes))
+            rewrites = cache.rewrites(batch.remote_format, batch.remote_block_size)
+            requests = [(r.physical_block_ids, r.covered_sub_blocks) for r in batch.requests]
+            items.append(WorkItem(batch, rewrites, requests, batch.num_blocks * cache.work_bytes))
             self.metrics.batch_blocks.observe(batch.num_blocks)
             self.metrics.batches.value += 1
         if not items:
@@ -330,7 +326,7 @@ class Pipeline:
         finished: list[tuple[Request, Outcome]] = []
         for item in job.items:
             if item.error is None:
-                self.metrics.blocks.value += len(item.block_ids)
+                self.metrics.blocks.value += item.num_blocks
                 self.metrics.bytes.value += item.nbytes
             elif item.lost is not None:
                 cache = self.registry.get(item.batch.cache_id)
@@ -339,7 +335,8 @@ class Pipeline:
             for request in item.batch.requests:
                 self.ledger.advance(request, State.DONE)
                 if item.error is not None:
-                    request.error = (Reason.TRANSFORM_FAILED, item.error)
+                    # Launched, so on record either way: a repeat gets this same answer.
+                    request.error = (item.code, item.error)
                 finished.append((request, self._outcome(request)))
         if self._crash_at == "after_transform":
             os.kill(os.getpid(), signal.SIGKILL)

@@ -11,10 +11,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvd.daemon.ledger import RemoteFormat
 from kvd.daemon.memory import AttachError, SharedSegment, Span
-from kvd.geometry import TensorGeometry
-from kvd.postprocess import BlockRows, Group, plan_groups
-from kvd.protocol import Reason, TensorSpec
+from kvd.kernels import CachePostProcess
+from kvd.layout.formats import has_heads, legacy_remote_format
+from kvd.layout.geometry import TensorGeometry
+from kvd.protocol import PageFormat, Reason, TensorSpec
 
 
 @dataclass(slots=True)
@@ -24,6 +26,23 @@ class AttachedTensor:
     tensor: torch.Tensor
     """The engine's tensor in its physical shape and dtype."""
     span: Span
+
+
+@dataclass(frozen=True, eq=False)
+class Rewrite:
+    """One kernel pass of a batch: the cache's tensors of one local page format, rewritten from
+    the remote format (resolved for them) at the remote block size."""
+
+    postprocess: CachePostProcess
+    remote: PageFormat
+    remote_block_size: int
+
+    def needs_work(self, covered: int, num_ids: int) -> bool:
+        return self.postprocess.needs_work(self.remote, self.remote_block_size, covered, num_ids)
+
+    def apply(self, requests: list[tuple[list[int], int]]) -> None:
+        """Rewrite each (block ids, covered_sub_blocks) request (executor thread)."""
+        self.postprocess.apply(requests, self.remote, self.remote_block_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,27 +63,29 @@ class AttachedCache:
     owner: Owner
     segments: list[tuple[SharedSegment, int]] = field(default_factory=list)
     """Each shared-memory segment and the end of the bytes the cache uses in it."""
-    views: list[BlockRows] = field(default_factory=list)
-    """What the post-process works on: raw row views, two per split tensor, none for MLA."""
+    postprocesses: dict[PageFormat, CachePostProcess] = field(default_factory=dict)
+    """The post-process of the cache's tensors, one per local page format."""
     lost: str | None = None
     """Why the cache's memory can no longer be touched (set once; requests then fail)."""
-    _groups: dict[tuple[int, str], list[Group]] = field(default_factory=dict)
+    _rewrites: dict[tuple[RemoteFormat, int], list[Rewrite]] = field(default_factory=dict)
 
-    def groups(self, ratio: int, remote_layout: str) -> list[Group]:
-        """The kernel calls a request under (ratio, remote_layout) needs; [] = no work.
+    def rewrites(self, remote: RemoteFormat, remote_block_size: int) -> list[Rewrite]:
+        """The kernel passes of a batch from ``remote`` at ``remote_block_size`` tokens.
 
-        Memoised per cache, so requests reuse the prepared launches.
+        Cheap and memoised (plans are built by the executor, on first use): safe on the loop.
+        Raises ``FormatError`` when the remote format cannot land in a local one.
         """
-        key = (ratio, remote_layout)
-        known = self._groups.get(key)
+        key = (remote, remote_block_size)
+        known = self._rewrites.get(key)
         if known is None:
-            known = self._groups[key] = plan_groups(
-                self.views, ratio=ratio, remote_layout=remote_layout
-            )
+            known = [
+                Rewrite(postprocess, _remote_for(local, remote), remote_block_size)
+                for local, postprocess in self.postprocesses.items()
+            ]
+            for rewrite in known:  # the format pair is checked now, not on the executor
+                rewrite.needs_work(0, 0)
+            self._rewrites[key] = known
         return known
-
-    def needs_work(self, ratio: int, remote_layout: str) -> bool:
-        return bool(self.groups(ratio, remote_layout))
 
     def memory_problem(self) -> str | None:
         """Why the cache's memory cannot be touched now (a segment shrank), or None."""
@@ -84,8 +105,17 @@ class AttachedCache:
 
     @property
     def work_bytes(self) -> int:
-        """Bytes of one block id across every view the post-process rewrites."""
-        return sum(v.rows.shape[1] * v.rows.shape[2] * v.rows.element_size() for v in self.views)
+        """Bytes one block id stands for across every region of the cache."""
+        return sum(p.block_bytes for p in self.postprocesses.values())
+
+
+def _remote_for(local: PageFormat, remote: RemoteFormat) -> PageFormat:
+    """The remote page format of ``local``'s tensors: given, or the legacy order applied."""
+    if isinstance(remote, PageFormat):
+        return remote
+    if not has_heads(local):
+        return local  # an MLA latent has no head/token order to swap
+    return legacy_remote_format(local, remote)
 
 
 class Registry:

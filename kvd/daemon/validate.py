@@ -12,9 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvd.daemon.journal import Outcome
-from kvd.daemon.ledger import Ledger
-from kvd.daemon.registry import AttachedCache, Registry
-from kvd.geometry import duplicate_ids, out_of_range_ids, preview, resolve_ratio
+from kvd.daemon.ledger import Ledger, RemoteFormat
+from kvd.daemon.registry import AttachedCache, Registry, Rewrite
+from kvd.layout.formats import FormatError, resolve
+from kvd.layout.geometry import check_block_ids, preview, resolve_remote_block_size
+from kvd.layout.planner import group_shape
 from kvd.protocol import PROTOCOL_VERSION, ReadDone, ReadFailed, Reason
 
 
@@ -39,8 +41,16 @@ class InFlight:
 @dataclass(frozen=True, slots=True)
 class Accept:
     cache: AttachedCache
-    remote_format: str
+    remote_format: RemoteFormat
     remote_block_size: int
+    rewrites: list[Rewrite]
+
+    def needs_work(self, msg: ReadDone) -> bool:
+        """Whether any byte of ``msg``'s blocks changes (the format pair or the coverage)."""
+        ids = msg.physical_block_ids
+        return bool(ids) and any(
+            r.needs_work(msg.covered_sub_blocks, len(ids)) for r in self.rewrites
+        )
 
 
 Verdict = Accept | Rejection | Repeat | InFlight
@@ -93,26 +103,40 @@ def validate_read_done(msg: ReadDone, registry: Registry, ledger: Ledger) -> Ver
         return Rejection(Reason.UNKNOWN_CACHE, f"cache_id: {msg.cache_id!r} is not attached")
     if cache.lost is not None:
         return Rejection(Reason.MEMORY_UNAVAILABLE, cache.lost)
-    if msg.remote_layout is None:
-        return Rejection(Reason.INVALID_LAYOUT, "remote_layout: must be given")
-    ratio = msg.block_size_ratio
-    if msg.remote_block_size or ratio < 1 or cache.block_size % ratio:
-        try:
-            ratio = resolve_ratio(cache.block_size, msg.block_size_ratio, msg.remote_block_size)
-        except ValueError as exc:
-            return Rejection(Reason.INVALID_RATIO, str(exc))
-    ids = msg.physical_block_ids
-    # Cheap checks first; the helpers name the offending ids only when one fails.
-    if ids and (min(ids) < 0 or max(ids) >= cache.num_blocks):
-        return Rejection(
-            Reason.BLOCK_OUT_OF_RANGE,
-            f"physical_block_ids: {preview(out_of_range_ids(ids, cache.num_blocks))} outside "
-            f"[0, {cache.num_blocks})",
+    remote = _remote_format(msg)
+    if isinstance(remote, Rejection):
+        return remote
+    try:
+        remote_block_size = resolve_remote_block_size(
+            cache.block_size, msg.block_size_ratio, msg.remote_block_size
         )
-    if len(set(ids)) != len(ids):
+    except ValueError as exc:
+        return Rejection(Reason.INVALID_RATIO, str(exc))
+    try:
+        rewrites = cache.rewrites(remote, remote_block_size)
+    except FormatError as exc:
+        code = Reason.INVALID_FORMAT if msg.remote_format is not None else Reason.INVALID_LAYOUT
+        return Rejection(code, f"{exc}")
+    ids = msg.physical_block_ids
+    bad = check_block_ids(ids, cache.num_blocks)
+    if bad is not None:
+        code = (
+            Reason.BLOCK_OUT_OF_RANGE if bad.fault == "out_of_range" else Reason.DUPLICATE_BLOCK_ID
+        )
+        return Rejection(code, f"physical_block_ids: {bad}")
+    pages, remote_pages = group_shape(cache.block_size, remote_block_size)
+    if len(ids) % pages:
         return Rejection(
-            Reason.DUPLICATE_BLOCK_ID,
-            f"physical_block_ids: {preview(duplicate_ids(ids))} listed twice",
+            Reason.INVALID_RATIO,
+            f"physical_block_ids: a remote block of {remote_block_size} tokens lands across "
+            f"{pages} local blocks of {cache.block_size}; {len(ids)} blocks are not whole groups",
+        )
+    holds = len(ids) // pages * remote_pages
+    if msg.covered_sub_blocks > holds:
+        return Rejection(
+            Reason.INVALID_MESSAGE,
+            f"covered_sub_blocks: {msg.covered_sub_blocks} remote blocks cannot land in "
+            f"{len(ids)} local blocks (they hold {holds})",
         )
     busy = ledger.busy_blocks(msg.cache_id, ids)
     if busy:
@@ -120,4 +144,17 @@ def validate_read_done(msg: ReadDone, registry: Registry, ledger: Ledger) -> Ver
             Reason.BLOCK_IN_FLIGHT,
             f"physical_block_ids: blocks {preview(busy)} belong to a request still in flight",
         )
-    return Accept(cache, msg.remote_layout, cache.block_size // ratio)
+    return Accept(cache, remote, remote_block_size, rewrites)
+
+
+def _remote_format(msg: ReadDone) -> RemoteFormat | Rejection:
+    if msg.remote_format is not None:
+        try:
+            return resolve(msg.remote_format, "remote_format")
+        except FormatError as exc:
+            return Rejection(Reason.INVALID_FORMAT, str(exc))
+    if msg.remote_layout is not None:
+        return msg.remote_layout
+    return Rejection(
+        Reason.INVALID_FORMAT, "remote_format: give the remote page format (or remote_layout)"
+    )

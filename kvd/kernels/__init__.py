@@ -1,11 +1,24 @@
-"""Post-process kernels: a compiled CPU kernel and a Triton kernel for CUDA.
+"""Kernels that execute page-format plans (``kvd.layout.planner``) over landed blocks, in place.
 
-``kvd.postprocess`` plans the work (which rows move where) and dispatches here.
+``CachePostProcess`` is the one interface: it holds a cache's regions and picks the kernel, the
+compiled C one on the CPU (``cpu``), Triton on CUDA (``gpu``), or plain torch ops where neither
+is available. All of them execute the same plans.
 """
 
+from kvd.kernels.cpu import MemoryFault
+from kvd.kernels.postprocess import (
+    Backend,
+    CachePostProcess,
+    RegionView,
+    Request,
+    region_views,
+)
 
-class MemoryFault(RuntimeError):
-    """The kernel touched memory that is gone (SIGBUS: a shared-memory file shrank under it).
-
-    The kernel stopped where it was: the blocks it was rewriting are partly rewritten.
-    """
+__all__ = [
+    "Backend",
+    "CachePostProcess",
+    "MemoryFault",
+    "RegionView",
+    "Request",
+    "region_views",
+]

@@ -1,111 +1,134 @@
-"""The compiled CPU kernel (``_rowperm.c``): bounds checks, then one call for many tensors.
+"""The CPU kernels: the compiled plan executor (``_runs.c``) and a plain-torch fallback.
 
-The C code trusts its arguments, so this wrapper is where safety lives: every tensor must be on
-the CPU with contiguous blocks, and every block id must be in range before an address is formed.
+Both execute a ``kvd.layout.planner.Plan`` over groups of pages. The C code trusts its
+arguments: callers form every page address from block ids checked against their region
+(``kvd.kernels.postprocess`` does). A page that faults (its shared-memory file was truncated)
+ends the call with ``MemoryFault`` instead of the process.
 """
 
 from __future__ import annotations
 
-import array
-from collections.abc import Sequence
-from dataclasses import dataclass
+import signal
 from types import ModuleType
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
-from kvd.kernels.plan import RowPlan
+from kvd.layout.planner import Plan
 
-_rowperm: ModuleType | None
+_runs: ModuleType | None
 try:
-    import kvd.kernels._rowperm as _rowperm  # noqa: PLR0402 (this form type-checks the stub)
-except ImportError:  # built without a C compiler: kvd.postprocess uses its torch path
-    _rowperm = None
+    import kvd.kernels._runs as _runs  # noqa: PLR0402 (this form type-checks the stub)
+except ImportError:  # built without a C compiler: the torch fallback runs the plans
+    _runs = None
+
+# Starting a thread costs tens of microseconds: worth it only for a large job.
+THREADED_BYTES = 4 << 20
+
+# Groups gathered per torch call: large enough to amortise the call, small enough that the
+# copies stay in the CPU's L2.
+_TORCH_CHUNK_BYTES = 1 << 20
+
+_TORCH_WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
-_THREADED_BYTES = 4 << 20
+class MemoryFault(RuntimeError):
+    """The kernel touched memory that is gone (SIGBUS: the engine truncated a shared-memory
+    file kvd maps; SIGSEGV: unmapped). Pages of the call may be partly rewritten."""
+
+    def __init__(self, signo: int, address: int) -> None:
+        try:
+            name = signal.Signals(signo).name
+        except ValueError:
+            name = f"signal {signo}"
+        super().__init__(f"{name} at address {address:#x} while rewriting pages")
+        self.signal = signo
+        self.address = address
 
 
 def available() -> bool:
-    return _rowperm is not None
+    return _runs is not None
 
 
-@dataclass(frozen=True, eq=False)
-class Launch:
-    """Checked arguments of one kernel call, reused for every request of a cache."""
-
-    rows: list[torch.Tensor]  # kept so the addresses below stay valid
-    bases: array.array[int]
-    runs: torch.Tensor
-    num_blocks: int
-    block_stride: int
-    row_bytes: int
-    rows_per_block: int
-    bytes_per_id: int
+def page_table(
+    bases: npt.NDArray[np.int64], strides: npt.NDArray[np.int64], groups: npt.NDArray[np.int64]
+) -> npt.NDArray[np.int64]:
+    """Page addresses, one row per (region, group): region ``i``'s block ``b`` is at
+    ``bases[i] + b * strides[i]``; ``groups`` is (n_groups, pages_per_group) block ids."""
+    table = bases[:, None, None] + groups[None, :, :] * strides[:, None, None]
+    return np.ascontiguousarray(table.reshape(-1, groups.shape[1]))
 
 
-def prepare(rows: Sequence[torch.Tensor], plan: RowPlan) -> Launch:
-    """Check that the views can share one call; the C code relies on every check here.
+def apply_runs(
+    pages: npt.NDArray[np.int64], plan: Plan, threads: int = 0, prefetch: int | None = None
+) -> None:
+    """Apply ``plan`` in place to every group of ``pages`` (rows of page addresses).
 
-    Each view is (num_blocks, rows, row_elems) raw rows, on the CPU, with contiguous blocks;
-    all share their geometry (rows per block, row bytes and block stride).
+    Threads (``threads`` 0: as many as torch uses) only when the job is large; ``prefetch``
+    (runs ahead) defaults to ``prefetch_distance(plan)``. Raises ``MemoryFault`` when a page
+    faults; the pages of other groups may then be rewritten or not.
     """
-    if _rowperm is None:
+    if _runs is None:
         raise RuntimeError("kvd's CPU kernel is not built (no C compiler at install time)")
-    first = rows[0]
-    num_blocks, rows_per_block, row_elems = first.shape
-    elem = first.element_size()
-    block_stride = first.stride(0) * elem
-    for view in rows:
-        if view.device.type != "cpu":
-            raise ValueError(f"the CPU kernel needs CPU tensors, got {view.device}")
-        if view.shape != first.shape or view.stride(0) * view.element_size() != block_stride:
-            raise ValueError("views of one kernel call must share their geometry")
-        if view.element_size() != elem or view.stride()[1:] != (row_elems, 1):
-            raise ValueError("each block must be contiguous rows")
-    if plan.rows != rows_per_block:
-        raise ValueError(f"permutation has {plan.rows} rows, blocks have {rows_per_block}")
-    return Launch(
-        rows=list(rows),
-        bases=array.array("q", [v.data_ptr() for v in rows]),
-        runs=plan.runs,
-        num_blocks=num_blocks,
-        block_stride=block_stride,
-        row_bytes=row_elems * elem,
-        rows_per_block=rows_per_block,
-        bytes_per_id=len(rows) * rows_per_block * row_elems * elem,
-    )
-
-
-def run(launch: Launch, block_ids: Sequence[int], threads: int = 0) -> None:
-    """Rewrite ``block_ids`` of every view of ``launch`` (GIL released while rows move)."""
-    assert _rowperm is not None  # prepare() checked
-    if not block_ids:
-        return
-    if min(block_ids) < 0 or max(block_ids) >= launch.num_blocks:
-        raise ValueError(f"block ids must be in [0, {launch.num_blocks})")
+    if pages.dtype != np.int64 or pages.ndim != 2 or pages.shape[1] != plan.pages_per_group:
+        raise ValueError(f"pages must be int64 rows of {plan.pages_per_group} page addresses")
+    pages = np.ascontiguousarray(pages)
+    moves, write_back = plan.moves, plan.write_back
     if not threads:
-        # Starting a thread costs tens of microseconds: worth it only for a large job.
-        big = launch.bytes_per_id * len(block_ids) >= _THREADED_BYTES
+        big = len(pages) * plan.group_bytes >= THREADED_BYTES
         threads = torch.get_num_threads() if big else 1
-    ids = array.array("q", block_ids)
-    bases_address, n_bases = launch.bases.buffer_info()
-    ids_address, n_ids = ids.buffer_info()
-    _rowperm.permute_blocks(
-        bases_address,
-        n_bases,
-        ids_address,
-        n_ids,
-        launch.runs.data_ptr(),
-        launch.runs.shape[0],
-        launch.block_stride,
-        launch.row_bytes,
-        launch.rows_per_block,
+    fault = _runs.apply_runs(
+        pages.ctypes.data,
+        len(pages),
+        plan.pages_per_group,
+        plan.page_bytes,
+        moves.ctypes.data,
+        len(moves),
+        write_back.ctypes.data,
+        len(write_back),
+        prefetch_distance(plan) if prefetch is None else prefetch,
         threads,
     )
+    if fault is not None:
+        raise MemoryFault(*fault)
 
 
-def permute_blocks(
-    rows: Sequence[torch.Tensor], block_ids: Sequence[int], plan: RowPlan, threads: int = 0
-) -> None:
-    """Apply ``plan`` to the listed blocks of every view: ``prepare`` then ``run``."""
-    run(prepare(rows, plan), block_ids, threads)
+def apply_runs_torch(region: torch.Tensor, groups: npt.NDArray[np.int64], plan: Plan) -> None:
+    """``apply_runs`` with plain torch ops, for one region seen as ``(num_blocks, page_bytes)``
+    uint8 pages: each chunk of groups is gathered (a copy), permuted, and scattered back."""
+    if len(groups) == 0 or plan.is_identity:
+        return
+    block_stride = region.stride(0)
+    offset = region.storage_offset()
+    width = plan.word_width()
+    while block_stride % width or offset % width:
+        width //= 2
+    words = torch.empty(0, dtype=_TORCH_WORDS[width], device=region.device).set_(
+        region.untyped_storage(),
+        offset // width,
+        (region.shape[0], plan.page_bytes // width),
+        (block_stride // width, 1),
+    )
+    group_words = plan.group_bytes // width
+    index = torch.from_numpy(np.asarray(plan.gather_index(width)).copy()).to(region.device)
+    index[index < 0] = group_words  # a zero column appended to each gathered group
+    per_chunk = max(1, _TORCH_CHUNK_BYTES // plan.group_bytes)
+    ids_all = torch.from_numpy(np.ascontiguousarray(groups, dtype=np.int64)).to(region.device)
+    for start in range(0, len(groups), per_chunk):
+        ids = ids_all[start : start + per_chunk].reshape(-1)
+        n = len(ids) // plan.pages_per_group
+        landed = words.index_select(0, ids).reshape(n, group_words)
+        padded = torch.cat([landed, landed.new_zeros(n, 1)], dim=1)
+        out = padded[:, index].reshape(len(ids), -1)
+        words.index_copy_(0, ids, out)
+
+
+def prefetch_distance(plan: Plan) -> int:
+    """How many runs ahead the C kernel prefetches sources: about 2 KiB ahead, and none for
+    runs so short that they read the pages densely anyway (measured on x86)."""
+    moves = plan.moves
+    if not len(moves):
+        return 0
+    mean = int(moves[:, 3].mean())
+    return 0 if mean < 64 else max(1, min(32, 2048 // mean))

@@ -1,199 +1,179 @@
-"""The CUDA post-process: one Triton launch rewrites the listed blocks of every tensor of a cache.
+"""The CUDA kernels: Triton programs that execute a plan over groups of pages, in place.
 
-A program owns one (block, tensor) pair. It loads the whole block into registers through the
-row permutation, waits at a barrier until every thread of the program holds its part, then
-stores the rows in order: the block is read once and written once, in place, with coalesced
-``head_dim`` rows on both sides. Blocks too large for one program's registers take two launches
+The plan arrives as a word gather index (``Plan.gather_index``): word ``i`` of a group receives
+landed word ``index[i]``, or zero where it is -1. A program owns one group: it loads the words
+that move into registers, waits at a barrier until every thread of the program holds its part,
+then stores them: the group is read once and written once, in place, and words already in place
+are neither loaded nor stored. Groups too large for one program's registers take two launches
 through a scratch buffer instead (gather, then write back), at twice the memory traffic.
 
-Launches go to the caller's current stream (the executor's dedicated stream). The same kernels
-run on the CPU under ``TRITON_INTERPRET=1``, which is how the tests check them without a GPU.
+Page addresses come as a table, one row of ``pages_per_group`` addresses per (region, group), so
+one launch covers every region of a cache that shares a plan. Launches go to the caller's
+current stream (the executor's dedicated stream). The same kernels run on the CPU under
+``TRITON_INTERPRET=1``, which is how the tests check them without a GPU.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
 import torch
 import triton
 import triton.language as tl
 
-from kvd.kernels.plan import RowPlan
+from kvd.layout.planner import Plan
 
-# Above this a block does not fit one program's registers (16 warps x 32 threads x ~64 regs).
-MAX_TILE_BYTES = 128 * 1024
-# Bound on the scratch buffer of the two-pass path; longer id lists are done in chunks.
+# Above this a group does not fit one program's registers: each word held also needs its
+# int32 source index (16 warps x 32 threads x ~64 regs). Not yet tuned on a GPU.
+MAX_TILE_BYTES = 64 * 1024
+# Bound on the scratch buffer of the two-pass path; longer page tables are done in chunks.
 MAX_SCRATCH_BYTES = 256 << 20
+# Words a program of the two-pass path moves.
+_TWO_PASS_TILE_BYTES = 16 * 1024
 
-_WORDS = ((4, tl.int32), (2, tl.int16), (1, tl.uint8))
+_WORDS = {4: tl.int32, 2: tl.int16, 1: tl.uint8}
 
 
 @triton.jit
-def _permute_in_place(
-    table_ptr,  # int64 base address of each tensor
-    ids_ptr,  # int64 block ids
-    perm_ptr,  # int32: new row i = old row perm[i]
-    block_stride,  # words between consecutive blocks
-    ROWS: tl.constexpr,
-    ROW_WORDS: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+def _load_group(pages_ptr, index_ptr, g, i, mask, PAGE_WORDS, K: tl.constexpr, WORD: tl.constexpr):
+    """The landed words group ``g``'s words ``i`` receive; ``moving`` marks those not in place."""
+    src = tl.load(index_ptr + i, mask=mask, other=0)
+    moving = mask & (src != i)
+    tile = tl.zeros(i.shape, dtype=WORD)
+    for j in tl.static_range(K):
+        page = tl.load(pages_ptr + g * K + j).to(tl.pointer_type(WORD))
+        here = moving & (src >= j * PAGE_WORDS) & (src < (j + 1) * PAGE_WORDS)
+        tile = tl.where(here, tl.load(page + (src - j * PAGE_WORDS), mask=here, other=0), tile)
+    return tile, moving
+
+
+@triton.jit
+def _store_group(pages_ptr, g, i, moving, tile, PAGE_WORDS, K: tl.constexpr, WORD: tl.constexpr):
+    for j in tl.static_range(K):
+        page = tl.load(pages_ptr + g * K + j).to(tl.pointer_type(WORD))
+        here = moving & (i >= j * PAGE_WORDS) & (i < (j + 1) * PAGE_WORDS)
+        tl.store(page + (i - j * PAGE_WORDS), tile, mask=here)
+
+
+@triton.jit
+def _apply_in_place(
+    pages_ptr,  # int64 page addresses, K per group
+    index_ptr,  # int32: landed word of each word of a group (-1: zero)
+    GROUP_WORDS,
+    PAGE_WORDS,
+    K: tl.constexpr,
+    BLOCK: tl.constexpr,
     WORD: tl.constexpr,
 ):
-    block = tl.load(ids_ptr + tl.program_id(0))
-    base = tl.load(table_ptr + tl.program_id(1)).to(tl.pointer_type(WORD))
-    start = base + block * block_stride
-    r = tl.arange(0, BLOCK_R)
-    c = tl.arange(0, BLOCK_C)
-    mask = (r < ROWS)[:, None] & (c < ROW_WORDS)[None, :]
-    src = tl.load(perm_ptr + r, mask=r < ROWS, other=0).to(tl.int64)
-    tile = tl.load(start + src[:, None] * ROW_WORDS + c[None, :], mask=mask)
-    # Every thread must hold its rows before any thread overwrites rows others still read.
+    g = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK)
+    mask = i < GROUP_WORDS
+    tile, moving = _load_group(pages_ptr, index_ptr, g, i, mask, PAGE_WORDS, K, WORD)
+    # Every thread must hold its words before any thread overwrites words others still read.
     tl.debug_barrier()
-    tl.store(start + r.to(tl.int64)[:, None] * ROW_WORDS + c[None, :], tile, mask=mask)
+    _store_group(pages_ptr, g, i, moving, tile, PAGE_WORDS, K, WORD)
 
 
 @triton.jit
-def _gather_rows(
-    table_ptr,
-    ids_ptr,
-    perm_ptr,
-    scratch_ptr,  # (tensors * ids, ROWS, ROW_WORDS) words
-    block_stride,
-    n_ids,
-    ROWS: tl.constexpr,
-    ROW_WORDS: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+def _apply_two_pass(
+    pages_ptr,
+    index_ptr,
+    scratch_ptr,  # (groups, GROUP_WORDS) words
+    GROUP_WORDS,
+    PAGE_WORDS,
+    K: tl.constexpr,
+    TILE: tl.constexpr,
     WORD: tl.constexpr,
     TO_SCRATCH: tl.constexpr,
 ):
-    """Rows [pid2 * BLOCK_R, ...) of one block: into scratch (permuted) or back (in order)."""
-    i = tl.program_id(0)
-    t = tl.program_id(1)
-    block = tl.load(ids_ptr + i)
-    base = tl.load(table_ptr + t).to(tl.pointer_type(WORD))
-    start = base + block * block_stride
-    slot = scratch_ptr.to(tl.pointer_type(WORD)) + (t * n_ids + i).to(tl.int64) * ROWS * ROW_WORDS
-    r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
-    c = tl.arange(0, BLOCK_C)
-    mask = (r < ROWS)[:, None] & (c < ROW_WORDS)[None, :]
-    rows = r.to(tl.int64)[:, None] * ROW_WORDS + c[None, :]
+    """Words [tile * TILE, ...) of one group: into scratch (gathered) or back to the pages."""
+    g = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * TILE + tl.arange(0, TILE)
+    mask = i < GROUP_WORDS
+    slot = scratch_ptr.to(tl.pointer_type(WORD)) + g * GROUP_WORDS
     if TO_SCRATCH:
-        src = tl.load(perm_ptr + r, mask=r < ROWS, other=0).to(tl.int64)
-        tile = tl.load(start + src[:, None] * ROW_WORDS + c[None, :], mask=mask)
-        tl.store(slot + rows, tile, mask=mask)
+        tile, moving = _load_group(pages_ptr, index_ptr, g, i, mask, PAGE_WORDS, K, WORD)
+        tl.store(slot + i, tile, mask=moving)
     else:
-        tl.store(start + rows, tl.load(slot + rows, mask=mask), mask=mask)
+        src = tl.load(index_ptr + i, mask=mask, other=0)
+        moving = mask & (src != i)
+        tile = tl.load(slot + i, mask=moving, other=0)
+        _store_group(pages_ptr, g, i, moving, tile, PAGE_WORDS, K, WORD)
 
 
 @dataclass(frozen=True, eq=False)
-class Launch:
-    """Checked launch arguments of one group of tensors, reused for every request."""
+class Prepared:
+    """A plan's launch arguments on one device, made once and reused by every request."""
 
-    rows: list[torch.Tensor]  # kept so the address table stays valid
-    table: torch.Tensor
-    perm: torch.Tensor
-    num_blocks: int
-    rows_per_block: int
-    row_words: int
-    block_stride: int
+    plan: Plan
+    index: torch.Tensor
     width: int
-    word: object
+
+    @property
+    def group_words(self) -> int:
+        return self.plan.group_bytes // self.width
 
 
-def prepare(rows: Sequence[torch.Tensor], plan: RowPlan) -> Launch:
-    """Check that the views can share one launch: same device, shape and block stride."""
-    first = rows[0]
-    device = first.device
-    num_blocks, rows_per_block, row_elems = first.shape
-    row_bytes = row_elems * first.element_size()
-    stride_bytes = first.stride(0) * first.element_size()
-    for view in rows:
-        if view.device != device or view.shape != first.shape:
-            raise ValueError("views of one launch must share their device and shape")
-        contiguous_rows = view.stride()[1:] == (row_elems, 1)
-        if view.stride(0) * view.element_size() != stride_bytes or not contiguous_rows:
-            raise ValueError("views of one launch must share a block stride, with contiguous rows")
-    if plan.rows != rows_per_block:
-        raise ValueError(f"permutation has {plan.rows} rows, blocks have {rows_per_block}")
-    width, word = next(w for w in _WORDS if row_bytes % w[0] == 0 and stride_bytes % w[0] == 0)
-    if any(v.data_ptr() % width for v in rows):
-        width, word = _WORDS[-1]
-    return Launch(
-        rows=list(rows),
-        table=_on(device, [v.data_ptr() for v in rows]),
-        perm=plan.perm_on(device),
-        num_blocks=num_blocks,
-        rows_per_block=rows_per_block,
-        row_words=row_bytes // width,
-        block_stride=stride_bytes // width,
-        width=width,
-        word=word,
-    )
+def prepare(plan: Plan, device: torch.device, alignment: int) -> Prepared:
+    """The gather index of ``plan`` on ``device``, in the widest words every page address
+    (all multiples of ``alignment``) and every run allow."""
+    width = min(plan.word_width(4), alignment & -alignment or 4, 4)
+    index = plan.gather_index(width)
+    if len(index) >= 2**31:
+        raise ValueError(f"a group of {len(index)} words is too large for the CUDA kernels")
+    return Prepared(plan, _on(device, index, torch.int32), width)
 
 
-def run(launch: Launch, block_ids: Sequence[int]) -> None:
-    """Rewrite ``block_ids`` of every tensor of ``launch``; asynchronous on the current stream."""
-    if not block_ids:
+def apply_runs(prepared: Prepared, pages: npt.NDArray[np.int64], device: torch.device) -> None:
+    """Apply the plan to every group of ``pages`` (rows of page addresses); asynchronous on
+    the current stream."""
+    if len(pages) == 0 or prepared.plan.is_identity:
         return
-    if min(block_ids) < 0 or max(block_ids) >= launch.num_blocks:
-        raise ValueError(f"block ids must be in [0, {launch.num_blocks})")
-    device = launch.table.device
-    n_tensors = len(launch.rows)
-    rows_per_block, row_words, width = launch.rows_per_block, launch.row_words, launch.width
-    block_r, block_c = triton.next_power_of_2(rows_per_block), triton.next_power_of_2(row_words)
-    if block_r * block_c * width <= MAX_TILE_BYTES:
-        _permute_in_place[(len(block_ids), n_tensors)](
-            launch.table,
-            _on(device, block_ids),
-            launch.perm,
-            launch.block_stride,
-            ROWS=rows_per_block,
-            ROW_WORDS=row_words,
-            BLOCK_R=block_r,
-            BLOCK_C=block_c,
-            WORD=launch.word,
-            num_warps=16 if block_r * block_c * width > 32 * 1024 else 8,
+    plan, width = prepared.plan, prepared.width
+    word = _WORDS[width]
+    group_words, page_words = prepared.group_words, plan.page_bytes // width
+    k = plan.pages_per_group
+    block = triton.next_power_of_2(group_words)
+    if block * width <= MAX_TILE_BYTES:
+        table = _on(device, pages, torch.int64)
+        _apply_in_place[(len(pages),)](
+            table,
+            prepared.index,
+            group_words,
+            page_words,
+            K=k,
+            BLOCK=block,
+            WORD=word,
+            num_warps=16 if block * width > 32 * 1024 else 8,
         )
         return
-    block_bytes = rows_per_block * row_words * width
-    per_chunk = max(1, MAX_SCRATCH_BYTES // (block_bytes * n_tensors))
-    tile_r = max(1, min(block_r, (32 * 1024) // (block_c * width)))
-    for start in range(0, len(block_ids), per_chunk):
-        chunk = list(block_ids[start : start + per_chunk])
-        ids = _on(device, chunk)
-        scratch = torch.empty(
-            n_tensors * len(chunk) * block_bytes, dtype=torch.uint8, device=device
-        )
-        grid = (len(chunk), n_tensors, triton.cdiv(rows_per_block, tile_r))
+    tile = min(block, _TWO_PASS_TILE_BYTES // width)
+    per_chunk = max(1, MAX_SCRATCH_BYTES // plan.group_bytes)
+    for start in range(0, len(pages), per_chunk):
+        chunk = pages[start : start + per_chunk]
+        table = _on(device, chunk, torch.int64)
+        scratch = torch.empty(len(chunk) * plan.group_bytes, dtype=torch.uint8, device=device)
+        grid = (len(chunk), triton.cdiv(group_words, tile))
         for to_scratch in (True, False):
-            _gather_rows[grid](
-                launch.table,
-                ids,
-                launch.perm,
+            _apply_two_pass[grid](
+                table,
+                prepared.index,
                 scratch,
-                launch.block_stride,
-                len(chunk),
-                ROWS=rows_per_block,
-                ROW_WORDS=row_words,
-                BLOCK_R=tile_r,
-                BLOCK_C=block_c,
-                WORD=launch.word,
+                group_words,
+                page_words,
+                K=k,
+                TILE=tile,
+                WORD=word,
                 TO_SCRATCH=to_scratch,
                 num_warps=4,
             )
 
 
-def permute_blocks(rows: Sequence[torch.Tensor], block_ids: Sequence[int], plan: RowPlan) -> None:
-    """Apply ``plan`` to the listed blocks of every view: ``prepare`` then ``run``."""
-    run(prepare(rows, plan), block_ids)
-
-
-def _on(device: torch.device, values: Sequence[int]) -> torch.Tensor:
-    """An int64 tensor on ``device``; from pinned memory, so the copy does not stall the host."""
-    host = torch.tensor(list(values), dtype=torch.int64)
+def _on(device: torch.device, values: npt.NDArray[np.int64], dtype: torch.dtype) -> torch.Tensor:
+    """``values`` as a tensor on ``device``; from pinned memory, so the copy does not stall."""
+    host = torch.from_numpy(np.array(values, dtype=np.int64).reshape(-1)).to(dtype)
     if device.type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)

@@ -22,7 +22,7 @@ import torch
 import zmq
 
 from kvd.dtypes import dtype_name
-from kvd.geometry import TensorGeometry, shape_geometry
+from kvd.layout.geometry import TensorGeometry, shape_geometry
 from kvd.nixl import agent as nixl_agent
 from kvd.protocol import (
     CacheDescription,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvd.geometry import TensorGeometry, duplicate_ids, out_of_range_ids, preview
+from kvd.layout.geometry import TensorGeometry, check_block_ids
 
 IndexArray = npt.NDArray[np.int32]
 DescriptorArray = npt.NDArray[np.int64]
@@ -39,12 +39,11 @@ class Region:
 
 
 def tensor_regions(base_addr: int, geometry: TensorGeometry) -> list[Region]:
-    """The regions of one tensor that starts at ``base_addr`` (1, or 2 for a split tensor)."""
-    halves = 2 if geometry.arrangement == "split" else 1
-    span = geometry.num_blocks * geometry.block_bytes
+    """The regions of one tensor that starts at ``base_addr`` (2 for a split tensor, one per
+    head for a format with head regions, else 1)."""
     return [
-        Region(base_addr + h * span, geometry.block_bytes, geometry.num_blocks)
-        for h in range(halves)
+        Region(base_addr + i * geometry.region_stride, geometry.page_bytes, geometry.num_blocks)
+        for i in range(geometry.num_regions)
     ]
 
 
@@ -130,10 +129,8 @@ def plan_read(
         ("remote_block_ids", remote_block_ids, remote_num_blocks),
         ("local_block_ids", local_block_ids, local_num_blocks),
     ):
-        if bad := out_of_range_ids(ids, limit):
-            raise MappingError(f"{field}: {preview(bad)} outside [0, {limit})")
-        if repeats := duplicate_ids(ids):
-            raise MappingError(f"{field}: repeated ids {preview(repeats)}")
+        if problem := check_block_ids(ids, limit):
+            raise MappingError(f"{field}: {problem}")
 
     remote = np.asarray(remote_block_ids, dtype=np.int64)
     position = np.arange(len(remote), dtype=np.int64)

@@ -27,7 +27,7 @@ import torch
 import zmq
 
 from kvd.dtypes import ITEMSIZE
-from kvd.geometry import (
+from kvd.layout.geometry import (
     GeometryError,
     TensorGeometry,
     cache_geometry,

@@ -1,0 +1,320 @@
+"""The post-process of one attached cache: rewrite landed blocks into the local page format.
+
+``CachePostProcess`` holds a cache's regions (every tensor's K, V or per-head regions, as raw
+byte views) and, per (remote format, remote block size, coverage), the plans and prepared
+launches that rewrite them. ``apply`` rewrites the listed blocks of every region: complete
+groups of all requests in one kernel call per plan, a request's partly covered last page with
+the plan that zeroes its uncovered tokens, and pages its READ never reached zeroed whole (as
+vLLM's ``post_process_device_kv_on_receive`` does).
+
+Block ids are checked here, once for the whole call, before any address is formed: the
+kernels trust what they are given.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvd.kernels import cpu
+from kvd.layout import planner
+from kvd.layout.formats import KV, PageSizes, page_bytes, resolve
+from kvd.layout.geometry import TensorGeometry, check_block_ids
+from kvd.layout.planner import Plan
+from kvd.protocol import FormatRef, PageFormat
+
+if TYPE_CHECKING:  # Triton is imported only where CUDA is used
+    from kvd.kernels.gpu import Prepared
+
+Backend = Literal["auto", "kernel", "torch"]
+"""``kernel``: the compiled CPU kernel, or Triton on CUDA; ``torch``: plain torch ops (the
+fallback when no kernel is built); ``auto``: the kernel when there is one."""
+
+Request = tuple[Sequence[int], int]
+"""(local block ids in request order, covered_sub_blocks): ``covered_sub_blocks`` counts the
+remote pages the READ filled from the request's first page on, as vLLM's NIXL worker counts them
+(``min(len(local) * ratio, len(remote))``); 0 means all of them."""
+
+
+@dataclass(frozen=True, eq=False)
+class RegionView:
+    """One region of a tensor: ``pages`` is (num_blocks, page_bytes) uint8, one row per block
+    (rows ``block_stride`` bytes apart), holding pages of ``format`` with ``sizes``. ``kv``
+    says which region of a ``regions="kv"`` format it is."""
+
+    pages: torch.Tensor
+    format: PageFormat
+    sizes: PageSizes
+    kv: KV = "k"
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.pages.shape[0])
+
+    @property
+    def page_bytes(self) -> int:
+        return int(self.pages.shape[1])
+
+    @property
+    def block_stride(self) -> int:
+        return int(self.pages.stride(0))
+
+    @property
+    def base(self) -> int:
+        return int(self.pages.data_ptr())
+
+
+def region_views(tensor: torch.Tensor, geometry: TensorGeometry) -> list[RegionView]:
+    """The regions of one attached tensor: contiguous, in its physical shape, of ``geometry``."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if not tensor.is_contiguous() or nbytes != geometry.nbytes:
+        raise ValueError(
+            f"a contiguous tensor of {geometry.nbytes} bytes is needed, got {nbytes} bytes "
+            f"(contiguous: {tensor.is_contiguous()})"
+        )
+    start = tensor.storage_offset() * tensor.element_size()
+    views = []
+    for i in range(geometry.num_regions):
+        pages = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(
+            tensor.untyped_storage(),
+            start + i * geometry.region_stride,
+            (geometry.num_blocks, geometry.page_bytes),
+            (geometry.block_stride, 1),
+        )
+        kv: KV = "v" if geometry.format.regions == "kv" and i == 1 else "k"
+        views.append(RegionView(pages, geometry.format, geometry.sizes, kv))
+    return views
+
+
+@dataclass(frozen=True, eq=False)
+class _Bundle:
+    """Regions that share one plan: same format, region kind and sizes."""
+
+    format: PageFormat
+    kv: KV
+    sizes: PageSizes
+    regions: tuple[RegionView, ...]
+
+    @functools.cached_property
+    def bases(self) -> npt.NDArray[np.int64]:
+        return np.array([r.base for r in self.regions], dtype=np.int64)
+
+    @functools.cached_property
+    def strides(self) -> npt.NDArray[np.int64]:
+        return np.array([r.block_stride for r in self.regions], dtype=np.int64)
+
+    @property
+    def alignment(self) -> int:
+        """The largest power of two (up to 16) dividing every page address."""
+        every = int(np.bitwise_or.reduce(np.concatenate([self.bases, self.strides])))
+        return min(every & -every, 16) if every else 16
+
+
+@dataclass(frozen=True, eq=False)
+class _Launch:
+    """One kernel call's worth of a request: a plan over the regions of one bundle."""
+
+    bundle: _Bundle
+    plan: Plan
+    prepared: Prepared | None = None  # the plan on the GPU, made once
+
+
+class CachePostProcess:
+    """Rewrites listed blocks of one cache's regions from a remote page format, in place.
+
+    Every region must have the same ``num_blocks`` and block size. Plans and prepared launches
+    are memoised per (remote format, remote block size, coverage). ``apply`` runs on the
+    caller's thread (the executor's); on CUDA it launches on the current stream.
+    """
+
+    def __init__(
+        self,
+        regions: Sequence[RegionView],
+        device: torch.device | str = "cpu",
+        backend: Backend = "auto",
+    ) -> None:
+        if not regions:
+            raise ValueError("regions: a cache needs at least one region")
+        self.device = torch.device(device)
+        first = regions[0]
+        by_plan: dict[tuple[PageFormat, KV, PageSizes], list[RegionView]] = {}
+        for i, region in enumerate(regions):
+            if region.pages.device != self.device and not (
+                self.device.type == region.pages.device.type and self.device.index is None
+            ):
+                raise ValueError(f"regions[{i}]: on {region.pages.device}, not {self.device}")
+            if region.num_blocks != first.num_blocks:
+                raise ValueError(
+                    f"regions[{i}]: {region.num_blocks} blocks, regions[0] {first.num_blocks}"
+                )
+            if region.sizes.block_size != first.sizes.block_size:
+                raise ValueError(
+                    f"regions[{i}]: block size {region.sizes.block_size}, regions[0] "
+                    f"{first.sizes.block_size}"
+                )
+            if region.page_bytes != page_bytes(region.format, region.sizes):
+                raise ValueError(
+                    f"regions[{i}]: pages of {region.page_bytes} bytes, the format says "
+                    f"{page_bytes(region.format, region.sizes)}"
+                )
+            by_plan.setdefault((region.format, region.kv, region.sizes), []).append(region)
+        self._bundles = [_Bundle(*key, tuple(group)) for key, group in by_plan.items()]
+        self._regions = list(regions)
+        self.num_blocks = first.num_blocks
+        self.block_size = first.sizes.block_size
+        self.backend = self._pick_backend(backend)
+        self._launches: dict[tuple[FormatRef, int, int], list[_Launch]] = {}
+        self._needs_work: dict[tuple[FormatRef, int], bool] = {}
+
+    def _pick_backend(self, backend: Backend) -> Literal["c", "triton", "torch"]:
+        if backend == "torch":
+            return "torch"
+        if self.device.type == "cuda":
+            return "triton"
+        if self.device.type == "cpu" and cpu.available():
+            return "c"
+        if backend == "kernel":
+            raise RuntimeError(f"no post-process kernel for {self.device} in this build")
+        return "torch"
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block id stands for across every region: what ``apply`` may rewrite."""
+        return sum(r.page_bytes for r in self._regions)
+
+    def needs_work(
+        self, remote: FormatRef, remote_block_size: int, covered: int = 0, num_ids: int = 0
+    ) -> bool:
+        """Whether ``apply`` would change any byte of a request of ``num_ids`` blocks.
+
+        Cheap (structural, memoised; no plan is built): the format pair moves bytes at this
+        block size, or ``covered`` leaves pages (partly) unwritten, which are then zeroed.
+        With ``num_ids`` 0 (unknown) any ``covered`` but 0 counts as leaving pages unwritten.
+        Raises ``FormatError``/``ValueError`` as ``apply`` would for the formats and sizes.
+        """
+        pages, remote_pages = planner.group_shape(self.block_size, remote_block_size)
+        if covered and (not num_ids or covered < num_ids // pages * remote_pages):
+            return True
+        key = (remote, remote_block_size)
+        known = self._needs_work.get(key)
+        if known is None:
+            checked = resolve(remote, "remote_format")
+            known = self._needs_work[key] = any(
+                planner.needs_work(checked, b.format, b.sizes, remote_block_size, kv=b.kv)
+                for b in self._bundles
+            )
+        return known
+
+    def apply(self, requests: Sequence[Request], remote: FormatRef, remote_block_size: int) -> None:
+        """Rewrite every listed block of every region, landed in ``remote`` at nP tokens.
+
+        Raises, before anything is written: ``ValueError`` for ids out of range or listed twice
+        (over all requests), a request whose ids do not fill whole groups (nP > nD: a multiple
+        of nP / nD ids), or a ``covered`` beyond what the ids hold; ``FormatError`` and
+        ``PlanError`` from the planner. ``MemoryFault`` when a page faults (the call stops;
+        pages may be partly rewritten).
+        """
+        pages, remote_pages = planner.group_shape(self.block_size, remote_block_size)
+        full: list[int] = []
+        partial: dict[int, list[int]] = {}
+        unreached: list[int] = []
+        listed: list[int] = []
+        for n, (request_ids, covered) in enumerate(requests):
+            ids = list(request_ids)
+            listed += ids
+            if len(ids) % pages:
+                raise ValueError(
+                    f"requests[{n}]: {len(ids)} block ids do not fill whole groups of {pages} "
+                    f"(remote block size {remote_block_size}, local {self.block_size})"
+                )
+            holds = len(ids) // pages * remote_pages
+            if covered < 0 or covered > holds:
+                raise ValueError(
+                    f"requests[{n}]: covered_sub_blocks {covered} is not in [0, {holds}] (the "
+                    f"remote pages {len(ids)} blocks hold)"
+                )
+            whole, part = divmod(covered or holds, remote_pages)
+            full += ids[: whole * pages]
+            if part:
+                partial.setdefault(part, []).append(ids[whole])
+            unreached += ids[(whole + (1 if part else 0)) * pages :]
+        problem = check_block_ids(listed, self.num_blocks)
+        if problem is not None:
+            raise problem
+        work = [(0, full), *sorted(partial.items())]
+        calls = [
+            (launch, np.asarray(ids, dtype=np.int64).reshape(-1, pages))
+            for covered, ids in work
+            if ids
+            for launch in self._launches_for(remote, remote_block_size, covered)
+        ]
+        if unreached:
+            groups = np.asarray(unreached, dtype=np.int64).reshape(-1, 1)
+            calls += [
+                (_Launch(b, planner.zero_plan(page_bytes(b.format, b.sizes))), groups)
+                for b in self._bundles
+            ]
+        for launch, groups in calls:
+            self._run(launch, groups)
+
+    def warm_up(self, remote: FormatRef, remote_block_size: int) -> None:
+        """Compile the kernels a request in ``remote`` at nP would launch, on scratch pages
+        (never the cache's): CUDA's first launch of a kernel shape pays its compilation."""
+        for launch in self._launches_for(remote, remote_block_size, 0):
+            plan, bundle = launch.plan, launch.bundle
+            scratch = torch.zeros(
+                (plan.pages_per_group, plan.page_bytes), dtype=torch.uint8, device=self.device
+            )
+            region = RegionView(scratch, bundle.format, bundle.sizes, bundle.kv)
+            on_scratch = _Bundle(bundle.format, bundle.kv, bundle.sizes, (region,))
+            groups = np.arange(plan.pages_per_group, dtype=np.int64).reshape(1, -1)
+            self._run(_Launch(on_scratch, plan, launch.prepared), groups)
+
+    def _launches_for(
+        self, remote: FormatRef, remote_block_size: int, covered: int
+    ) -> list[_Launch]:
+        key = (remote, remote_block_size, covered)
+        known = self._launches.get(key)
+        if known is None:
+            checked = resolve(remote, "remote_format")
+            known = []
+            for bundle in self._bundles:
+                plan = planner.plan(
+                    checked,
+                    bundle.format,
+                    bundle.sizes,
+                    remote_block_size,
+                    covered=covered,
+                    kv=bundle.kv,
+                )
+                if plan.is_identity:
+                    continue
+                prepared = None
+                if self.backend == "triton":
+                    from kvd.kernels import gpu
+
+                    prepared = gpu.prepare(plan, self.device, bundle.alignment)
+                known.append(_Launch(bundle, plan, prepared))
+            self._launches[key] = known
+        return known
+
+    def _run(self, launch: _Launch, groups: npt.NDArray[np.int64]) -> None:
+        bundle, plan = launch.bundle, launch.plan
+        if self.backend == "torch":
+            for region in bundle.regions:
+                cpu.apply_runs_torch(region.pages, groups, plan)
+            return
+        pages = cpu.page_table(bundle.bases, bundle.strides, groups)
+        if self.backend == "c":
+            cpu.apply_runs(pages, plan)
+            return
+        from kvd.kernels import gpu
+
+        prepared = launch.prepared or gpu.prepare(plan, self.device, bundle.alignment)
+        gpu.apply_runs(prepared, pages, self.device)

@@ -1,0 +1,331 @@
+"""Cache geometry: what an attached tensor's shape means, checked before any memory is opened.
+
+Pure logic, no I/O: the registry calls ``cache_geometry`` on the ``TensorSpec``s of an Attach and
+opens memory only when every tensor passes. Also the checks every path shares on what a
+notification names: the block ids (``check_block_ids``) and the remote block size
+(``resolve_remote_block_size``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from kvd.dtypes import ITEMSIZE
+from kvd.layout.formats import (
+    FormatError,
+    PageSizes,
+    has_heads,
+    is_cross_layer,
+    legacy_format,
+    num_regions,
+    page_bytes,
+    resolve,
+)
+from kvd.protocol import DTypeName, KVArrangement, Layout, PageFormat, TensorSpec
+
+LAYOUTS: tuple[Layout, ...] = ("NHD", "HND")
+
+
+class GeometryError(ValueError):
+    """A tensor description that cannot be a KV cache; the message names the field."""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorGeometry:
+    """The meaning of one attached tensor: ``[regions, num_blocks, *page]``, contiguous.
+
+    ``arrangement`` and ``layout`` are the legacy description when the spec gave one.
+    """
+
+    format: PageFormat
+    sizes: PageSizes
+    num_blocks: int
+    arrangement: KVArrangement | None = None
+    layout: Layout | None = None
+
+    @property
+    def block_size(self) -> int:
+        return self.sizes.block_size
+
+    @property
+    def num_heads(self) -> int:
+        return self.sizes.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.sizes.head_dim
+
+    @property
+    def itemsize(self) -> int:
+        return self.sizes.itemsize
+
+    @property
+    def num_regions(self) -> int:
+        """Regions of ``num_blocks`` pages: 2 for a K/V split, one per head, else 1."""
+        return num_regions(self.format, self.sizes.num_heads)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one block in one region: the unit a NIXL descriptor moves."""
+        return page_bytes(self.format, self.sizes)
+
+    block_bytes = page_bytes
+
+    @property
+    def block_stride(self) -> int:
+        """Bytes from one block to the next inside a region (pages are packed)."""
+        return self.page_bytes
+
+    @property
+    def region_stride(self) -> int:
+        return self.num_blocks * self.page_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_regions * self.region_stride
+
+
+def tensor_geometry(spec: TensorSpec, where: str = "tensor") -> TensorGeometry:
+    """Check that ``spec.shape`` fits its page format (or legacy description) and sizes.
+
+    Raises ``GeometryError`` naming ``where`` and the field at fault.
+    """
+    if spec.page_format is not None:
+        return _format_geometry(spec, where)
+    if spec.layout is None or spec.kv_arrangement is None:
+        raise GeometryError(f"{where}: give page_format, or layout and kv_arrangement")
+    return shape_geometry(
+        spec.shape,
+        dtype=spec.dtype,
+        layout=spec.layout,
+        kv_arrangement=spec.kv_arrangement,
+        block_size=spec.block_size,
+        where=where,
+    )
+
+
+def _format_geometry(spec: TensorSpec, where: str) -> TensorGeometry:
+    assert spec.page_format is not None
+    try:
+        fmt = resolve(spec.page_format, f"{where}.page_format")
+    except FormatError as exc:
+        raise GeometryError(str(exc)) from None
+    shape = list(spec.shape)
+    if any(d <= 0 for d in shape):
+        raise GeometryError(f"{where}.shape: every dimension must be > 0, got {shape}")
+    for field, value in (("block_size", spec.block_size), ("head_dim", spec.head_dim)):
+        if value <= 0:
+            raise GeometryError(f"{where}.{field}: must be > 0, got {value}")
+    if has_heads(fmt) and spec.num_heads <= 0:
+        raise GeometryError(f"{where}.num_heads: must be > 0 for a format with heads")
+    if not has_heads(fmt) and spec.num_heads > 1:
+        raise GeometryError(
+            f"{where}.num_heads: {spec.num_heads} given, but the format has no H axis (MLA)"
+        )
+    if is_cross_layer(fmt) and spec.num_layers <= 0:
+        raise GeometryError(f"{where}.num_layers: must be > 0 for a cross-layer format (axis L)")
+    if not is_cross_layer(fmt) and spec.num_layers:
+        raise GeometryError(
+            f"{where}.num_layers: {spec.num_layers} given, but the format has no L axis (one "
+            "tensor per layer)"
+        )
+    sizes = PageSizes(
+        num_layers=max(1, spec.num_layers),
+        num_heads=max(1, spec.num_heads),
+        block_size=spec.block_size,
+        head_dim=spec.head_dim,
+        itemsize=ITEMSIZE[spec.dtype],
+    )
+    regions = num_regions(fmt, sizes.num_heads)
+    lead = 2 if fmt.regions else 1
+    if len(shape) <= lead:
+        raise GeometryError(
+            f"{where}.shape: needs {'[regions, num_blocks' if lead == 2 else '[num_blocks'}, "
+            f"*page], got {shape}"
+        )
+    if lead == 2 and shape[0] != regions:
+        raise GeometryError(
+            f"{where}.shape: regions {fmt.regions!r} needs shape[0] = {regions}, got {shape}"
+        )
+    page = page_bytes(fmt, sizes)
+    given = math.prod(shape[lead:]) * sizes.itemsize
+    if given != page:
+        raise GeometryError(
+            f"{where}.shape: a page of {spec.block_size} tokens x {sizes.num_heads} heads x "
+            f"{sizes.head_dim} head_dim ({sizes.num_layers} layers) holds {page} bytes; shape "
+            f"{shape} gives {given}"
+        )
+    return TensorGeometry(fmt, sizes, shape[lead - 1])
+
+
+def shape_geometry(
+    shape: Sequence[int],
+    *,
+    dtype: DTypeName,
+    layout: Layout,
+    kv_arrangement: KVArrangement,
+    block_size: int,
+    where: str = "tensor",
+) -> TensorGeometry:
+    """The geometry of a legacy description: sizes read from the shape."""
+    shape = list(shape)
+    if any(d <= 0 for d in shape):
+        raise GeometryError(f"{where}.shape: every dimension must be > 0, got {shape}")
+    if block_size <= 0:
+        raise GeometryError(f"{where}.block_size: must be > 0, got {block_size}")
+
+    expected_dims = {"split": 5, "blocks_first": 5, "single": 4, "mla": 3}[kv_arrangement]
+    if len(shape) != expected_dims:
+        raise GeometryError(
+            f"{where}.shape: kv_arrangement {kv_arrangement!r} needs {expected_dims} "
+            f"dimensions ({_shape_hint(kv_arrangement, layout)}), got {shape}"
+        )
+    if kv_arrangement == "mla":
+        num_blocks, tokens, head_dim = shape
+        num_heads = 1
+    else:
+        if kv_arrangement == "split":
+            kv, num_blocks, *block = shape
+        elif kv_arrangement == "blocks_first":
+            num_blocks, kv, *block = shape
+        else:
+            kv = 2
+            num_blocks, *block = shape
+        if kv != 2:
+            raise GeometryError(
+                f"{where}.shape: kv_arrangement {kv_arrangement!r} needs a K/V axis of 2 "
+                f"({_shape_hint(kv_arrangement, layout)}), got {shape}"
+            )
+        if layout == "NHD":
+            tokens, num_heads, head_dim = block
+        else:
+            num_heads, tokens, head_dim = block
+    if tokens != block_size:
+        raise GeometryError(
+            f"{where}.block_size: {block_size} does not match the token axis of shape "
+            f"{shape} ({_shape_hint(kv_arrangement, layout)})"
+        )
+    sizes = PageSizes(
+        num_layers=1,
+        num_heads=num_heads,
+        block_size=block_size,
+        head_dim=head_dim,
+        itemsize=ITEMSIZE[dtype],
+    )
+    return TensorGeometry(
+        legacy_format(kv_arrangement, layout), sizes, num_blocks, kv_arrangement, layout
+    )
+
+
+def cache_geometry(specs: Sequence[TensorSpec]) -> list[TensorGeometry]:
+    """Check every tensor of one cache; all must agree on num_blocks and block_size."""
+    if not specs:
+        raise GeometryError("tensors: a cache needs at least one tensor")
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise GeometryError(f"tensors: names must be unique, repeated: {dup}")
+    geometries = [tensor_geometry(s, f"tensors[{i}]") for i, s in enumerate(specs)]
+    first = geometries[0]
+    for i, g in enumerate(geometries[1:], start=1):
+        if g.num_blocks != first.num_blocks:
+            raise GeometryError(
+                f"tensors[{i}].shape: num_blocks {g.num_blocks} differs from tensors[0] "
+                f"({first.num_blocks}); block ids index every tensor of a cache"
+            )
+        if g.block_size != first.block_size:
+            raise GeometryError(
+                f"tensors[{i}].block_size: {g.block_size} differs from tensors[0] "
+                f"({first.block_size})"
+            )
+    return geometries
+
+
+def resolve_remote_block_size(
+    block_size: int, block_size_ratio: int, remote_block_size: int
+) -> int:
+    """The remote block size nP a notification means, checked against the local ``block_size``.
+
+    Either value may be 0 ("not given"); at least one must be given, and both must agree.
+    ``block_size_ratio`` (nD / nP) can only state nP <= nD; ``remote_block_size`` may be any
+    size that divides or is a multiple of the local one. Raises ``ValueError`` naming the field.
+    """
+    if block_size_ratio < 0:
+        raise ValueError(f"block_size_ratio: must be >= 1, got {block_size_ratio}")
+    if remote_block_size < 0:
+        raise ValueError(f"remote_block_size: must be >= 1, got {remote_block_size}")
+    if block_size_ratio and block_size % block_size_ratio:
+        raise ValueError(
+            f"block_size_ratio: {block_size_ratio} does not divide the block size {block_size}"
+        )
+    if not remote_block_size:
+        if not block_size_ratio:
+            raise ValueError("give block_size_ratio or remote_block_size (both are 0)")
+        return block_size // block_size_ratio
+    if block_size % remote_block_size and remote_block_size % block_size:
+        raise ValueError(
+            f"remote_block_size: {remote_block_size} does not divide the local block size "
+            f"{block_size}, nor is it a multiple of it"
+        )
+    if block_size_ratio and block_size_ratio * remote_block_size != block_size:
+        raise ValueError(
+            f"block_size_ratio: {block_size_ratio} contradicts remote_block_size "
+            f"{remote_block_size} (local block size {block_size})"
+        )
+    return remote_block_size
+
+
+BlockIdFault = Literal["out_of_range", "duplicate"]
+
+
+class BlockIdError(ValueError):
+    """Block ids that cannot be rewritten; ``fault`` says why, the message names them."""
+
+    def __init__(self, fault: BlockIdFault, message: str) -> None:
+        super().__init__(message)
+        self.fault: BlockIdFault = fault
+
+
+def check_block_ids(block_ids: Sequence[int], num_blocks: int) -> BlockIdError | None:
+    """Why ``block_ids`` cannot index a cache of ``num_blocks`` blocks, or None.
+
+    The one check of the block ids a request names (the kernels, the daemon's validation and
+    the NIXL read planner all use it): every id in ``[0, num_blocks)``, none listed twice. The
+    common case (all fine) costs a min, a max and a set.
+    """
+    if not block_ids:
+        return None
+    if min(block_ids) < 0 or max(block_ids) >= num_blocks:
+        bad = [b for b in block_ids if b < 0 or b >= num_blocks]
+        return BlockIdError("out_of_range", f"{preview(bad)} outside [0, {num_blocks})")
+    if len(set(block_ids)) != len(block_ids):
+        seen: set[int] = set()
+        repeats = []
+        for b in block_ids:
+            if b in seen:
+                repeats.append(b)
+            seen.add(b)
+        return BlockIdError("duplicate", f"{preview(repeats)} listed twice")
+    return None
+
+
+def preview(ids: Sequence[int], limit: int = 8) -> str:
+    """A short rendering of an id list for error messages."""
+    shown = ", ".join(str(b) for b in ids[:limit])
+    more = f" (+{len(ids) - limit} more)" if len(ids) > limit else ""
+    return f"[{shown}]{more}"
+
+
+def _shape_hint(arrangement: KVArrangement, layout: Layout) -> str:
+    block = (
+        "block_size, num_heads, head_dim" if layout == "NHD" else "num_heads, block_size, head_dim"
+    )
+    return {
+        "split": f"[2, num_blocks, {block}]",
+        "blocks_first": f"[num_blocks, 2, {block}]",
+        "single": f"[num_blocks, {block}]",
+        "mla": "[num_blocks, block_size, head_dim]",
+    }[arrangement]

@@ -1,0 +1,36 @@
+"""``kvd bench kernels`` runs every case end to end (tiny sizes: speed is not checked here)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvd.bench.kernels import CASES
+from kvd.cli import build_parser
+
+
+def test_bench_kernels_reports_every_case(capsys: pytest.CaptureFixture[str]) -> None:
+    args = build_parser().parse_args(
+        [
+            "bench",
+            "kernels",
+            "--json",
+            "--layers=2",
+            "--num-blocks=16",
+            "--blocks=8",
+            "--block-size=16",
+            "--heads=2",
+            "--head-dim=16",
+            "--repeat=1",
+        ]
+    )
+    assert args.run(args) == 0
+    captured = capsys.readouterr()
+    assert captured.err == "", "quiet under --json"
+    report = json.loads(captured.out)
+    assert [r["case"] for r in report["rows"]] == [c.label for c in CASES]
+    assert all(r["kvd_gbps"] > 0 for r in report["rows"])
+    with_chain = {r["case"] for r in report["rows"] if r["vllm_over_kvd"] is not None}
+    assert "HND->NHD r=1 bfloat16" in with_chain and "LBHNC r=4 bfloat16" in with_chain
+    assert all(r["meets_target"] is not None for r in report["rows"] if "bfloat16" in r["case"])
