@@ -307,8 +307,9 @@ class ReadDone(_Message, tag="read_done", kw_only=True):
     than the local one) or ``remote_block_size`` (any size that divides or is a multiple of the
     local one); 0 means "not given". ``physical_block_ids`` are local block ids, in request
     order; kvd rewrites exactly these blocks and no other. ``covered_sub_blocks``, when not 0,
-    is how many remote blocks the READ put into the last local block; the rest of that block
-    is zeroed.
+    is how many remote blocks the READ filled, counted from the request's first local block (as
+    vLLM's NIXL worker counts them: ``min(len(local) * ratio, len(remote))``): the tokens past
+    them in the block they end in, and every later listed block, are zeroed, as vLLM does.
     """
 
     req_id: ReqId
