@@ -6,6 +6,7 @@ that nobody guesses ports. Endpoints default to ``ipc://`` files in the runtime 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 from collections.abc import Mapping
@@ -14,6 +15,7 @@ from pathlib import Path
 
 ENDPOINT_NAMES = ("control", "ingest", "events", "replay")
 ENDPOINTS_FILE = "endpoints.json"
+LOCK_FILE = "kvd.lock"
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,3 +52,23 @@ def read_endpoints(runtime_dir: str | Path) -> Endpoints:
         return Endpoints(
             **{name: f"ipc://{runtime_dir / f'{name}.sock'}" for name in ENDPOINT_NAMES}
         )
+
+
+def daemon_alive(runtime_dir: str | Path) -> bool:
+    """Whether a kvd holds ``runtime_dir`` now: its lock file is locked (no round trip).
+
+    A daemon holds an exclusive ``flock`` on ``kvd.lock`` while it runs; the lock dies with it,
+    however it ends.
+    """
+    path = Path(runtime_dir) / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    return False

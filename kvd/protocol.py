@@ -113,7 +113,6 @@ class Reason(enum.StrEnum):
     INVALID_RATIO = "invalid_ratio"
     INVALID_LAYOUT = "invalid_layout"
     BLOCK_IN_FLIGHT = "block_in_flight"
-    DUPLICATE_REQUEST = "duplicate_request"
     READ_FAILED = "read_failed"
     TRANSFORM_FAILED = "transform_failed"
     SHUTTING_DOWN = "shutting_down"
@@ -355,11 +354,11 @@ class Ready(_Message, tag="ready"):
 
 
 class Failed(_Message, tag="failed"):
-    """The request's blocks must not be used: none were post-processed, or the post-process failed.
+    """The request's blocks must not be used as they are.
 
-    ``invalid_block_ids`` lists every block the notification named. ``code`` is a ``Reason``. For
-    ``duplicate_request`` the event answers the duplicate notification only: the earlier request
-    with that id is still in flight and ends with its own event.
+    ``invalid_block_ids`` lists every block the notification named. ``code`` is a ``Reason``:
+    for ``transform_failed``, ``interrupted`` and ``generation_in_flight`` the blocks' contents
+    are undefined; for every other code they were not touched.
     """
 
     req_id: str

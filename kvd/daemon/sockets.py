@@ -25,11 +25,10 @@ from typing import Any
 import zmq
 
 from kvd.daemon.logs import RateLimitedLog
-from kvd.endpoints import ENDPOINT_NAMES, ENDPOINTS_FILE, Endpoints
+from kvd.endpoints import ENDPOINT_NAMES, ENDPOINTS_FILE, LOCK_FILE, Endpoints
 
 log = logging.getLogger(__name__)
 
-LOCK_FILE = "kvd.lock"
 
 # sockaddr_un.sun_path is 108 bytes including the terminating NUL.
 _IPC_PATH_MAX = 107

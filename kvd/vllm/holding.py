@@ -1,0 +1,85 @@
+"""Requests a decode worker holds back from vLLM until kvd's event: pure logic, no sockets.
+
+Every request whose READ finished is held: kvd is sent its ReadDone, and vLLM learns the request
+finished receiving only when kvd's Ready arrives (or, on a Failed, that it failed, so vLLM's
+``kv_load_failure_policy`` recomputes it). A held request is never released any other way while
+the kvd that may be rewriting its blocks lives: releasing it would let vLLM reuse blocks kvd may
+still write. When kvd restarted, every held request is sent again (kvd answers from its journal);
+when kvd is gone and stays gone, they are failed: a dead kvd writes nothing, and a kvd that starts
+later never rewrites a request that is not sent to it again.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from kvd.protocol import Event, Failed
+
+
+@dataclass(slots=True)
+class Held:
+    req_id: str
+    block_ids: list[int]
+    remote_block_size: int
+    remote_format: str
+    covered_sub_blocks: int
+    remote_engine_id: str
+    sent_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass(slots=True)
+class Released:
+    """Requests to report to vLLM: finished receiving, and (a subset) failed."""
+
+    finished: set[str] = field(default_factory=set)
+    failed: set[str] = field(default_factory=set)
+    latencies_s: list[float] = field(default_factory=list)
+    """ReadDone sent to event received, per request answered by kvd."""
+
+    def merge(self, other: Released) -> None:
+        self.finished |= other.finished
+        self.failed |= other.failed
+        self.latencies_s += other.latencies_s
+
+
+class Holding:
+    def __init__(self) -> None:
+        self._held: dict[str, Held] = {}
+        self.failures: dict[str, str] = {}
+        """req_id -> kvd's code, for the requests kvd answered with Failed (for the logs)."""
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self._held
+
+    def hold(self, request: Held) -> None:
+        self._held[request.req_id] = request
+
+    def answer(self, events: list[Event]) -> Released:
+        """The requests kvd's events settle; events of requests not held are ignored (a
+        repeated answer after a re-send, another engine's request on the refusals topic)."""
+        out = Released()
+        now = time.monotonic()
+        for event in events:
+            held = self._held.pop(event.req_id, None)
+            if held is None:
+                continue
+            out.finished.add(held.req_id)
+            out.latencies_s.append(now - held.sent_at)
+            if isinstance(event, Failed):
+                out.failed.add(held.req_id)
+                self.failures[held.req_id] = event.code
+        return out
+
+    def resend(self) -> list[Held]:
+        """Every held request, for sending again (kvd restarted: it answers from its journal)."""
+        return list(self._held.values())
+
+    def give_up(self) -> Released:
+        """Fail every held request: only when no kvd can be writing their blocks."""
+        out = Released(finished=set(self._held), failed=set(self._held))
+        self._held.clear()
+        return out

@@ -1,0 +1,100 @@
+"""The KV cache of a CPU decode worker in a ``/dev/shm`` file, so kvd can map the same bytes.
+
+vLLM 0.32 allocates a worker's whole KV cache as one ``torch.zeros(n, dtype=torch.int8)``
+(``allocate_kv_cache``) inside the context the connector's ``get_mem_pool_context`` returns, and
+makes every layer's view of it. ``ShmAllocation`` is that context: it turns exactly that call
+into a mapping of a fresh file, so every view, NIXL's registration included, lives on shared
+memory with no copy. The file is reserved with ``posix_fallocate`` (a full /dev/shm fails at
+start, not with SIGBUS later), created 0660 (kvd's group may map it; ``group`` sets it), and
+removed when the worker shuts down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from kvd.shm import SHM_DIR
+
+log = logging.getLogger("vllm.kvd")
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+class ShmAllocation(TorchFunctionMode):
+    """Redirects the one KV-cache allocation of a vLLM CPU worker to a /dev/shm file."""
+
+    def __init__(self, prefix: str, group: int | None = None) -> None:
+        super().__init__()
+        self.name = f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}"
+        self.path = os.path.join(SHM_DIR, self.name)
+        self.group = group
+        self.nbytes = 0
+        self.tensor: torch.Tensor | None = None
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if self.tensor is None and _is_kv_allocation(func, args, kwargs):
+            self.tensor = self._allocate(int(args[0]))
+            return self.tensor
+        return func(*args, **kwargs)
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        size = -(-nbytes // _PAGE) * _PAGE
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o660)
+        try:
+            os.fchmod(fd, 0o660)  # whatever the umask: kvd reaches it through the group
+            if self.group is not None:
+                os.fchown(fd, -1, self.group)
+            os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, size)
+        except OSError:
+            os.close(fd)
+            self.close()
+            raise
+        os.close(fd)
+        self.nbytes = nbytes
+        mapped = torch.from_file(self.path, shared=True, size=size, dtype=torch.int8)
+        log.info("KV cache in %s (%.1f MiB) for kvd", self.path, size / 2**20)
+        return mapped[:nbytes]
+
+    def offset_of(self, tensor: torch.Tensor) -> int:
+        """Byte offset of ``tensor``'s first element in the file; it must live there."""
+        if self.tensor is None:
+            raise RuntimeError("the KV cache was not allocated through kvd's /dev/shm context")
+        base = self.tensor.data_ptr()
+        start = tensor.data_ptr()
+        end = start + tensor.numel() * tensor.element_size()
+        if not base <= start <= end <= base + self.nbytes:
+            raise RuntimeError(
+                "a KV-cache tensor lives outside the /dev/shm file kvd maps (vLLM allocated it "
+                "elsewhere: this vLLM version is not supported by kvd.vllm)"
+            )
+        return start - base
+
+    def close(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+def _is_kv_allocation(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """``torch.zeros(n, dtype=torch.int8[, device=cpu])``: vLLM's KV buffer, nothing else."""
+    return (
+        func is torch.zeros
+        and len(args) == 1
+        and isinstance(args[0], int)
+        and kwargs.get("dtype") is torch.int8
+        and torch.device(kwargs.get("device") or "cpu").type == "cpu"
+    )
