@@ -407,10 +407,32 @@ def _add_bench(commands: Any) -> None:
     kernels.add_argument("--head-dim", type=int, default=128, help="head dimension")
     kernels.add_argument("--repeat", type=int, default=7, help="interleaved repetitions")
     kernels.set_defaults(run=_bench_kernels)
+    from kvd.bench.vllm import add_arguments as add_vllm_arguments
+
+    vllm = _command(
+        which,
+        "vllm",
+        help="a real vLLM prefill/decode pair on CPU, with kvd and with vLLM's own post-process",
+        description=(
+            "Starts kvd serve, a vLLM prefill instance and, in turn, two decode instances (vLLM's "
+            "own NIXL connector, timing its inline post-process, and KvdConnector) and decodes "
+            "the same requests one at a time with each: per-step post-process time, read-done "
+            "to Ready latency and end-to-end request latency, with ratios. Needs vLLM "
+            "(pip install -e '.[vllm]'); takes a few minutes."
+        ),
+    )
+    add_vllm_arguments(vllm)
+    vllm.set_defaults(run=_bench_vllm)
 
 
 def _bench_kernels(args: argparse.Namespace) -> int:
     from kvd.bench.kernels import run
+
+    return run(args)
+
+
+def _bench_vllm(args: argparse.Namespace) -> int:
+    from kvd.bench.vllm import run
 
     return run(args)
 

@@ -88,6 +88,7 @@ class KvdWorker(NixlPullConnectorWorker):
             )
         self.cache_id = _CACHE_ID.sub("-", f"vllm.{engine_id}.{self.tp_rank}")[:CACHE_ID_MAX]
         self.kvd = Client(self.kvd_dir, timeout=float(extra.get("kvd_timeout_s", 2.0)))
+        self._attach_timeout_s = float(extra.get("kvd_attach_timeout_s", 120.0))
         self._events: Subscription | None = None
         self._specs: list[TensorSpec] = []
         self._local_format = ""
@@ -191,7 +192,12 @@ class KvdWorker(NixlPullConnectorWorker):
         return ShmRef(name=self.allocation.name, offset=self.allocation.offset_of(tensor))
 
     def _attach(self) -> None:
-        self.kvd.attach(self.cache_id, self._specs, engine_id=self.engine_id)
+        # Mapping a large cache takes a while (kvd fills in its page tables): a longer wait.
+        timeout, self.kvd.timeout = self.kvd.timeout, self._attach_timeout_s
+        try:
+            self.kvd.attach(self.cache_id, self._specs, engine_id=self.engine_id)
+        finally:
+            self.kvd.timeout = timeout
         if self._events is not None:
             self._events.close()
         self._events = self.kvd.subscribe([self.cache_id])

@@ -6,7 +6,8 @@ makes every layer's view of it. ``ShmAllocation`` is that context: it turns exac
 into a mapping of a fresh file, so every view, NIXL's registration included, lives on shared
 memory with no copy. The file is reserved with ``posix_fallocate`` (a full /dev/shm fails at
 start, not with SIGBUS later), created 0660 (kvd's group may map it; ``group`` sets it), and
-removed when the worker shuts down.
+removed when the worker shuts down. A worker that was killed cannot remove its file: the next
+one started by the same user removes the files of workers that no longer exist.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import secrets
 from typing import Any
 
@@ -32,6 +34,7 @@ class ShmAllocation(TorchFunctionMode):
 
     def __init__(self, prefix: str, group: int | None = None) -> None:
         super().__init__()
+        reap(prefix)
         self.name = f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}"
         self.path = os.path.join(SHM_DIR, self.name)
         self.group = group
@@ -87,6 +90,26 @@ class ShmAllocation(TorchFunctionMode):
     def close(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+
+
+def reap(prefix: str) -> list[str]:
+    """Remove the files ``prefix-<pid>-*`` of this user whose worker process is gone."""
+    pattern = re.compile(rf"^{re.escape(prefix)}-(\d+)-[0-9a-f]+$")
+    removed = []
+    for entry in os.scandir(SHM_DIR):
+        match = pattern.match(entry.name)
+        if not match or entry.stat(follow_symlinks=False).st_uid != os.geteuid():
+            continue
+        try:
+            os.kill(int(match[1]), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+            removed.append(entry.name)
+            log.info("removed %s, left by a worker that no longer exists", entry.path)
+        except PermissionError:
+            pass  # alive, another user's
+    return removed
 
 
 def _is_kv_allocation(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

@@ -1,0 +1,107 @@
+"""The pure parts of kvd.vllm, without vLLM: page formats, holding requests, the /dev/shm file."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvd.protocol import Failed, Ready
+from kvd.vllm.formats import UnknownFormat, page_format, remote_page_format
+from kvd.vllm.holding import Held, Holding
+from kvd.vllm.shm import ShmAllocation, reap
+
+
+def test_known_formats_are_named_and_the_rest_refused() -> None:
+    cpu = {"use_mla": False, "kv_cache_dtype": "auto"}
+    assert page_format("CPU_ATTN", "LBHNC", isa="vec", **cpu) == "cpu_attn_vec"
+    assert page_format("CPU_ATTN", "LBHNC", isa="vec16", **cpu) == "cpu_attn_vec"
+    assert page_format("FLASH_ATTN", "LBNHC", isa=None, **cpu) == "LBNHC"
+    for args, named in [
+        (("CPU_ATTN", "LBHNC"), "'amx'"),
+        (("TRITON_ATTN", "LBHNC"), "'TRITON_ATTN'"),
+        (("FLASHINFER", "XYZ"), "'XYZ'"),
+    ]:
+        with pytest.raises(UnknownFormat, match=named):
+            page_format(*args, isa="amx", **cpu)
+    with pytest.raises(UnknownFormat, match="MLA"):
+        page_format("FLASH_ATTN", "LBHNC", isa=None, use_mla=True, kv_cache_dtype="auto")
+    with pytest.raises(UnknownFormat, match="fp8"):
+        page_format("FLASH_ATTN", "LBHNC", isa=None, use_mla=False, kv_cache_dtype="fp8")
+
+
+def test_a_remote_cpu_engine_is_read_with_the_local_isa() -> None:
+    same = {"local": "cpu_attn_vec", "local_isa": "vec", "kv_cache_dtype": "auto"}
+    assert remote_page_format("CPU_ATTN", "LBHNC", **same) == "cpu_attn_vec"
+    assert remote_page_format("FLASH_ATTN", "LBHNC", **same) == "LBHNC"
+    with pytest.raises(UnknownFormat, match="unknown ISA"):
+        remote_page_format(
+            "CPU_ATTN", "LBHNC", local="LBHNC", local_isa=None, kv_cache_dtype="auto"
+        )
+
+
+def held(req_id: str) -> Held:
+    return Held(req_id, [3, 4], 32, "cpu_attn_vec", 3, "prefill")
+
+
+def test_held_requests_are_released_only_by_their_event() -> None:
+    holding = Holding()
+    for r in ("a", "b", "c"):
+        holding.hold(held(r))
+    released = holding.answer(
+        [
+            Ready(req_id="a", cache_id="c", physical_block_ids=[3, 4]),
+            Failed(req_id="b", cache_id="c", code="interrupted", message=""),
+            Ready(req_id="someone-else", cache_id="c", physical_block_ids=[]),
+        ]
+    )
+    assert released.finished == {"a", "b"} and released.failed == {"b"}
+    assert holding.failures == {"b": "interrupted"} and len(released.latencies_s) == 2
+    assert [h.req_id for h in holding.resend()] == ["c"]
+    assert (
+        holding.answer([Ready(req_id="a", cache_id="c", physical_block_ids=[])]).finished == set()
+    )
+    gone = holding.give_up()
+    assert gone.finished == gone.failed == {"c"} and len(holding) == 0
+
+
+def test_the_kv_allocation_lands_in_dev_shm_and_nothing_else_does() -> None:
+    allocation = ShmAllocation("kvd-test-alloc")
+    try:
+        with allocation:
+            other = torch.zeros(16, dtype=torch.float32)
+            kv = torch.zeros(10_000, dtype=torch.int8, device="cpu")
+            second = torch.zeros(10_000, dtype=torch.int8)
+        assert allocation.tensor is not None and kv.data_ptr() == allocation.tensor.data_ptr()
+        assert second.data_ptr() != kv.data_ptr() and other.dtype == torch.float32
+        assert os.stat(allocation.path).st_mode & 0o777 == 0o660
+        layer = kv[4096:8192].view(torch.float32)
+        assert allocation.offset_of(layer) == 4096
+        with pytest.raises(RuntimeError, match="outside"):
+            allocation.offset_of(second)
+    finally:
+        allocation.close()
+    assert not Path(allocation.path).exists()
+
+
+def test_files_of_dead_workers_are_reaped(tmp_path: Path) -> None:
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    stale = Path("/dev/shm") / f"kvd-test-reap-{int(dead.stdout)}-abcd1234"
+    mine = Path("/dev/shm") / f"kvd-test-reap-{os.getpid()}-abcd1234"
+    for path in (stale, mine):
+        path.write_bytes(b"x")
+    try:
+        assert reap("kvd-test-reap") == [stale.name]
+        assert mine.exists() and not stale.exists()
+    finally:
+        mine.unlink(missing_ok=True)
+        stale.unlink(missing_ok=True)
