@@ -301,13 +301,13 @@ def _add_demo(commands: Any) -> None:
         "demo",
         help="the whole chain with real NIXL transfers, verified byte for byte (no GPU needed)",
         description=(
-            "Starts kvd serve, three prefill processes that fill their caches with known content "
+            "Starts kvd serve, four prefill processes that fill their caches with known content "
             "and export them with NIXL, and a decode process that pulls requests with NIXL READs "
             "(UCX over loopback), has kvd post-process them and checks every token of every "
             "decode block against what the prefill wrote. Runs prefill 16-token HND blocks into "
-            "decode 16/32/64 NHD and HND, NHD into NHD and HND, and two prefill engines with "
-            "different block sizes into one decode cache at once. Exits 1 if anything fails to "
-            "verify."
+            "decode 16/32/64 NHD and HND, NHD into NHD and HND, 64-token HND blocks into 16-token "
+            "NHD and HND (each across 4 decode blocks), and two prefill engines with different "
+            "block sizes into one decode cache at once. Exits 1 if anything fails to verify."
         ),
     )
     add_arguments(demo)

@@ -430,8 +430,11 @@ class CacheDescription(_Message, tag="cache_description"):
     """What a reader needs to address the exporter's blocks with NIXL.
 
     Every tensor has the geometry given by ``kv_arrangement``, ``layout``, ``block_size``,
-    ``num_heads``, ``head_dim`` and ``dtype`` (see ``TensorSpec``). The reader sends, with each
-    READ, the notification ``<req_id>:<tp_size>`` that vLLM's prefill side counts.
+    ``num_heads``, ``head_dim`` and ``dtype`` (see ``TensorSpec``). ``page_format``, when an
+    exporter states it, is the page format those name (a preset name or a ``PageFormat``); a
+    reader passes it to kvd as the ``remote_format`` of its ``ReadDone``s (``remote_layout``
+    when absent). The reader sends, with each READ, the notification ``<req_id>:<tp_size>``
+    that vLLM's prefill side counts.
     """
 
     engine_id: str
@@ -448,6 +451,7 @@ class CacheDescription(_Message, tag="cache_description"):
     tensors: list[RemoteTensor]
     device_id: NonNegative = 0
     tp_size: Annotated[int, msgspec.Meta(ge=1)] = 1
+    page_format: FormatRef | None = None
 
 
 HandshakeReply = CacheDescription | Error

@@ -202,6 +202,29 @@ def golden_messages() -> dict[str, tuple[str, Any]]:
                 ],
             ),
         ),
+        "cache_description_page_format": (
+            "handshake_reply",
+            p.CacheDescription(
+                engine_id="prefill-1",
+                agent_name="prefill-1",
+                agent_metadata=b"opaque NIXL agent metadata",
+                mem_type="VRAM",
+                device_id=1,
+                num_blocks=512,
+                block_size=64,
+                layout="HND",
+                kv_arrangement="split",
+                dtype="bfloat16",
+                num_heads=8,
+                head_dim=128,
+                tensors=[
+                    p.RemoteTensor(
+                        name="layer.0", base_addr=1 << 40, nbytes=134217728, block_len=131072
+                    )
+                ],
+                page_format="HND",
+            ),
+        ),
     }
 
 

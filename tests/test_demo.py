@@ -26,7 +26,7 @@ def test_demo_verifies_every_case_with_real_nixl() -> None:
     report = json.loads(done.stdout)
     assert report["verified"] is True and report["transport"] == "UCX"
     cases = report["cases"]
-    assert len(cases) == 10 and all(c["verified"] and not c["failures"] for c in cases)
+    assert len(cases) == 13 and all(c["verified"] and not c["failures"] for c in cases)
     for c in cases:
         assert c["requests"] == c["verified_requests"] == 3
         assert c["blocks"] > 0 and c["nixl_bytes"] > 0
@@ -36,14 +36,19 @@ def test_demo_verifies_every_case_with_real_nixl() -> None:
         for c in cases
         for p in c["prefill"]
     }
-    # The matrix the demo promises: 16 into 16/32/64, HND into NHD and HND, NHD into NHD.
+    # The matrix the demo promises: 16 into 16/32/64, HND into NHD and HND, NHD into NHD, and
+    # 64 into 16 (each prefill block across 4 decode blocks).
     assert {("HND", 16, "NHD", 16), ("HND", 16, "NHD", 32), ("HND", 16, "NHD", 64)} <= pairs
     assert ("HND", 16, "HND", 64) in pairs and ("NHD", 16, "NHD", 16) in pairs
+    assert {("HND", 64, "NHD", 16), ("HND", 64, "HND", 16)} <= pairs
     mixed = [c for c in cases if len(c["prefill"]) == 2]
-    assert mixed and {p["block_size"] for p in mixed[0]["prefill"]} == {16, 32}
-    assert all(n > 0 for n in mixed[0]["requests_by_engine"].values())
-    assert mixed[0]["block_size_ratios"] == [2, 4]
-    assert report["requests"] == 30 and report["blocks"] == sum(c["blocks"] for c in cases)
+    assert [sorted(p["block_size"] for p in c["prefill"]) for c in mixed] == [[16, 32], [16, 64]]
+    assert all(n > 0 for c in mixed for n in c["requests_by_engine"].values())
+    assert [c["group_shapes"] for c in mixed] == [[[1, 2], [1, 4]], [[1, 1], [4, 1]]]
+    larger = [c for c in cases if c["prefill"][0]["block_size"] == 64]
+    assert larger and all(c["group_shapes"] == [[4, 1]] for c in larger)
+    assert all(c["blocks"] % 4 == 0 for c in larger)  # whole groups of 4 decode blocks
+    assert report["requests"] == 39 and report["blocks"] == sum(c["blocks"] for c in cases)
     assert all(n["received"] == n["expected"] > 0 for n in report["prefill_notifications"])
 
 

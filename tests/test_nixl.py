@@ -26,7 +26,15 @@ from kvd.client import Client
 from kvd.daemon_process import DaemonProcess
 from kvd.nixl.exporter import Exporter
 from kvd.nixl.reader import HandshakeError, Reader, ReadResult
-from kvd.protocol import CacheDescription, Error, Failed, Handshake, HandshakeReply, Ready
+from kvd.protocol import (
+    CacheDescription,
+    Error,
+    Failed,
+    Handshake,
+    HandshakeReply,
+    Layout,
+    Ready,
+)
 from kvd.shm import ShmCache, physical_shape
 from tests.daemon_helpers import by_req, collect, subscribed
 
@@ -52,12 +60,14 @@ def client(daemon: DaemonProcess) -> Iterator[Client]:
 class ServedExporter:
     """An Exporter of a random HND split cache, progressed by a thread of this process."""
 
-    def __init__(self, endpoint: str, engine_id: str = "prefill-test") -> None:
+    def __init__(
+        self, endpoint: str, engine_id: str = "prefill-test", block_size: int = REMOTE_SIZE
+    ) -> None:
         shape = physical_shape(
             "split",
             "HND",
             num_blocks=REMOTE_BLOCKS,
-            block_size=REMOTE_SIZE,
+            block_size=block_size,
             num_heads=HEADS,
             head_dim=HEAD_DIM,
         )
@@ -68,7 +78,7 @@ class ServedExporter:
             self.tensors,
             layout="HND",
             kv_arrangement="split",
-            block_size=REMOTE_SIZE,
+            block_size=block_size,
             endpoint=endpoint,
         )
         self.finished: list[str] = []
@@ -100,14 +110,20 @@ def reader(client: Client) -> Iterator[Reader]:
     r.close()
 
 
-def local_cache(client: Client, cache_id: str, block_size: int) -> ShmCache:
+def local_cache(
+    client: Client,
+    cache_id: str,
+    block_size: int,
+    layout: Layout = "NHD",
+    num_blocks: int = LOCAL_BLOCKS,
+) -> ShmCache:
     cache = ShmCache.create(
         num_layers=LAYERS,
-        num_blocks=LOCAL_BLOCKS,
+        num_blocks=num_blocks,
         block_size=block_size,
         num_heads=HEADS,
         head_dim=HEAD_DIM,
-        layout="NHD",
+        layout=layout,
     )
     for t in cache.tensors:
         t.fill_(-7.0)
@@ -130,6 +146,14 @@ def expected_tokens(remote: torch.Tensor, kv: int, remote_ids: list[int]) -> tor
     """A request's tokens (tokens, heads, head_dim) from a remote HND split tensor."""
     blocks = remote[kv][torch.tensor(remote_ids)]  # (n, heads, size, dim)
     return blocks.transpose(1, 2).reshape(-1, HEADS, HEAD_DIM)
+
+
+def local_tokens(local: torch.Tensor, kv: int, ids: list[int], layout: Layout) -> torch.Tensor:
+    """A request's tokens (tokens, heads, head_dim) from a local split tensor of ``layout``."""
+    blocks = local[kv][torch.tensor(ids)]
+    if layout == "HND":
+        blocks = blocks.transpose(1, 2)
+    return blocks.reshape(-1, HEADS, HEAD_DIM)
 
 
 def test_handshake_describes_the_registered_cache(exporter: ServedExporter) -> None:
@@ -156,6 +180,7 @@ def test_handshake_describes_the_registered_cache(exporter: ServedExporter) -> N
         HEAD_DIM,
     )
     assert reply.dtype == "bfloat16" and reply.tp_size == 1 and reply.agent_metadata
+    assert reply.page_format == "HND"  # the preset that split + HND name
     block_len = HEADS * REMOTE_SIZE * HEAD_DIM * 2
     assert [(t.base_addr, t.nbytes, t.block_len) for t in reply.tensors] == [
         (t.data_ptr(), 2 * REMOTE_BLOCKS * block_len, block_len) for t in exporter.tensors
@@ -204,6 +229,109 @@ def test_read_lands_blocks_and_kvd_reports_ready(
     finally:
         client.detach(cache_id)
         cache.close()
+
+
+LARGE_REMOTE_SIZE, SMALL_LOCAL_SIZE = 64, 16
+
+
+@pytest.fixture
+def large_exporter(short_tmp: Path) -> Iterator[ServedExporter]:
+    served = ServedExporter(
+        f"ipc://{short_tmp}/prefill64.sock", "prefill-64", block_size=LARGE_REMOTE_SIZE
+    )
+    yield served
+    served.close()
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_larger_remote_blocks_land_across_groups_of_local_blocks(
+    client: Client,
+    reader: Reader,
+    large_exporter: ServedExporter,
+    layout: Layout,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """64-token HND prefill blocks into 16-token decode blocks: each lands across 4 of them."""
+    cache_id = f"nixl-64-to-16-{layout}"
+    cache = local_cache(client, cache_id, block_size=SMALL_LOCAL_SIZE, layout=layout, num_blocks=32)
+    sent: list[dict[str, object]] = []
+    send = client.read_done
+
+    def recording(*args: object, **kwargs: object) -> None:
+        sent.append(kwargs)
+        send(*args, **kwargs)
+
+    monkeypatch.setattr(client, "read_done", recording)
+    try:
+        reader.add_cache(cache_id, cache.tensors, cache.specs)
+        reader.connect(large_exporter.exporter.endpoint)
+        remote_ids = [[30, 4, 17], [9]]
+        local_ids = [[5, 12, 0, 9, 14, 2, 7, 11, 3, 15, 1, 8], [10, 4, 6, 13]]
+        with subscribed(client, [cache_id]) as sub:
+            for i, (r, loc) in enumerate(zip(remote_ids, local_ids, strict=True)):
+                reader.read(f"req-{i}", "prefill-64", cache_id, r, loc)
+            # Not whole groups: 2 remote blocks need 8 local blocks, not 7.
+            ragged = [16, 17, 18, 19, 20, 21, 22]
+            reader.read("ragged", "prefill-64", cache_id, [1, 2], ragged)
+            results = {r.req_id: r for r in finish(reader, 3)}
+            events = by_req(collect(sub, 3))
+        assert "8 in all, got 7" in results["ragged"].reason
+        assert isinstance(events["ragged"], Failed) and events["ragged"].code == "read_failed"
+        for i, (r, loc) in enumerate(zip(remote_ids, local_ids, strict=True)):
+            result, event = results[f"req-{i}"], events[f"req-{i}"]
+            assert result.ok, result.reason
+            assert result.nbytes == len(r) * LAYERS * 2 * HEADS * LARGE_REMOTE_SIZE * HEAD_DIM * 2
+            assert isinstance(event, Ready) and event.physical_block_ids == loc
+            for layer, (local, remote) in enumerate(
+                zip(cache.tensors, large_exporter.tensors, strict=True)
+            ):
+                for kv in range(2):
+                    got = local_tokens(local, kv, loc, layout)
+                    want = expected_tokens(remote, kv, r)
+                    assert torch.equal(got, want), f"req-{i} layer {layer} kv {kv}"
+        # Blocks no successful request listed (the ragged one's included) are untouched.
+        listed = {b for loc in local_ids for b in loc}
+        others = [b for b in range(32) if b not in listed]
+        assert all(bool((t[:, others] == -7.0).all()) for t in cache.tensors)
+        # kvd was told the remote block size and the remote page format (it cannot be a ratio).
+        assert [(m["remote_block_size"], m["block_size_ratio"]) for m in sent] == [(64, 0)] * 2
+        assert {m["remote_format"] for m in sent} == {"HND"}
+        assert {m["remote_layout"] for m in sent} == {None}
+    finally:
+        client.detach(cache_id)
+        cache.close()
+
+
+def test_block_sizes_that_do_not_divide_end_as_failed(
+    client: Client, reader: Reader, large_exporter: ServedExporter
+) -> None:
+    cache_id = "nixl-64-to-24"
+    cache = local_cache(client, cache_id, block_size=24)
+    try:
+        reader.add_cache(cache_id, cache.tensors, cache.specs)
+        reader.connect(large_exporter.exporter.endpoint)
+        with subscribed(client, [cache_id]) as sub:
+            reader.read("odd", "prefill-64", cache_id, [0], [0, 1, 2])
+            (result,) = finish(reader, 1)
+            (event,) = by_req(collect(sub, 1)).values()
+        assert "remote block_size 64 does not divide local 24, nor is it a multiple" in (
+            result.reason
+        )
+        assert isinstance(event, Failed) and event.invalid_block_ids == [0, 1, 2]
+    finally:
+        client.detach(cache_id)
+        cache.close()
+
+
+def test_a_description_whose_page_format_contradicts_its_layout_is_refused(
+    reader: Reader, exporter: ServedExporter
+) -> None:
+    wrong = msgspec.structs.replace(exporter.exporter.description, page_format="NHD")
+    with pytest.raises(HandshakeError, match="page_format 'NHD' is not the format of"):
+        reader.add_peer(wrong)
+    unknown = msgspec.structs.replace(exporter.exporter.description, page_format="HNX")
+    with pytest.raises(HandshakeError, match="unknown preset 'HNX'"):
+        reader.add_peer(unknown)
 
 
 def test_bad_requests_end_as_failed_events(

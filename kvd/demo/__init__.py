@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from kvd.demo.cases import CASES, ENGINES
+from kvd.demo.cases import CASES, ENGINES, largest_group
 from kvd.progress import add_progress_flag, progress_bar
 from kvd.tables import format_table
 
@@ -99,6 +99,13 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"kvd demo: --max-blocks must be in [1, --num-blocks / --concurrency "
             f"= {args.num_blocks // args.concurrency}]",
+            file=sys.stderr,
+        )
+        return 2
+    if args.num_blocks // args.concurrency < (group := largest_group(CASES, ENGINES)):
+        print(
+            f"kvd demo: --num-blocks / --concurrency must be at least {group}: one prefill "
+            f"block lands across {group} decode blocks",
             file=sys.stderr,
         )
         return 2

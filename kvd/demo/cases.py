@@ -36,6 +36,7 @@ ENGINES = {
         PrefillEngine("prefill-hnd16", 16, "HND", seed=1),
         PrefillEngine("prefill-nhd16", 16, "NHD", seed=2),
         PrefillEngine("prefill-hnd32", 32, "HND", seed=3),
+        PrefillEngine("prefill-hnd64", 64, "HND", seed=4),
     )
 }
 
@@ -55,4 +56,18 @@ CASES = (
     Case(("prefill-nhd16",), 64, "HND"),
     # Two prefill engines with different block sizes into one decode cache at once.
     Case(("prefill-hnd16", "prefill-hnd32"), 64, "NHD"),
+    # Prefill blocks larger than decode ones: each lands across 4 decode blocks.
+    Case(("prefill-hnd64",), 16, "NHD"),
+    Case(("prefill-hnd64",), 16, "HND"),
+    # Both directions into one decode cache at once: 16 -> 16 and 64 -> 16 (groups of 4).
+    Case(("prefill-hnd16", "prefill-hnd64"), 16, "NHD"),
 )
+
+
+def largest_group(cases: tuple[Case, ...], engines: dict[str, PrefillEngine]) -> int:
+    """The most decode blocks one prefill block lands across, over ``cases``."""
+    return max(
+        max(1, engines[e].block_size // case.decode_block_size)
+        for case in cases
+        for e in case.engines
+    )

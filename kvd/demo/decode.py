@@ -25,6 +25,8 @@ import torch
 
 from kvd.client import Client
 from kvd.demo.content import request_tokens, token_rows
+from kvd.layout.planner import group_shape
+from kvd.nixl.mapping import local_blocks_needed
 from kvd.nixl.reader import Reader, ReadResult
 from kvd.protocol import Failed, Layout, Ready
 from kvd.shm import ShmCache
@@ -170,19 +172,30 @@ class Decode:
             while (
                 run.issued < self.spec.requests
                 and len(run.in_flight) < self.spec.concurrency
-                and len(run.free_blocks) >= self.spec.max_blocks_per_request
+                and len(run.free_blocks) >= self._most_blocks(run)
             ):
                 self._issue(run)
             run.changed.clear()
             await run.changed.wait()
 
+    def _most_blocks(self, run: CaseRun) -> int:
+        """The most decode blocks a request of ``run`` may take: ``max_blocks_per_request``,
+        or one whole group when a prefill block alone lands across more."""
+        most = self.spec.max_blocks_per_request
+        for engine in run.engines:
+            pages, _ = group_shape(run.spec.decode_block_size, engine.block_size)
+            most = max(most, pages)
+        return most
+
     def _issue(self, run: CaseRun) -> None:
         engine = run.engines[run.issued % len(run.engines)]
         local_size = run.spec.decode_block_size
-        ratio = local_size // engine.block_size
-        tokens = self.rng.randint(1, self.spec.max_blocks_per_request * local_size)
+        # A group: `pages` decode blocks for `ratio` prefill blocks (one of them is 1).
+        pages, ratio = group_shape(local_size, engine.block_size)
+        groups = max(1, self.spec.max_blocks_per_request // pages)
+        tokens = self.rng.randint(1, groups * pages * local_size)
         remote_count = -(-tokens // engine.block_size)
-        local_count = -(-remote_count // ratio)
+        local_count = local_blocks_needed(remote_count, ratio, pages)
         req = _Request(
             engine=engine,
             remote_block_ids=self.rng.sample(range(engine.num_blocks), remote_count),
@@ -265,15 +278,16 @@ class Decode:
                         loop.call_soon_threadsafe(self.on_event, delivery.event, time.monotonic())
 
     def _verify(self, run: CaseRun, req: _Request) -> str:
-        """Empty when every token the request holds matches the prefill's content."""
+        """Empty when every token the READ landed matches the prefill's content: all of the
+        request's prefill blocks, past its last prompt token too."""
         remote = torch.tensor(req.remote_block_ids, dtype=torch.int64)
         for layer, tensor in enumerate(run.cache.tensors):
             raw = tensor.view(torch.uint8)
             for kv in range(2):
                 got = request_tokens(raw[kv], req.local_block_ids, layout=run.spec.decode_layout)
-                got = got[: req.tokens]
                 want = self._expected(req.engine, 2 * layer + kv)[remote]
-                want = want.reshape(-1, *got.shape[1:])[: req.tokens]
+                want = want.reshape(-1, *got.shape[1:])
+                got = got[: len(want)]
                 if not torch.equal(got, want):
                     bad = (got != want).any(dim=-1).any(dim=-1).nonzero()
                     return f"layer {layer} {'KV'[kv]}: token {int(bad[0])} differs"
@@ -292,8 +306,9 @@ class Decode:
             ],
             "decode_block_size": run.spec.decode_block_size,
             "decode_layout": run.spec.decode_layout,
-            "block_size_ratios": sorted(
-                {run.spec.decode_block_size // e.block_size for e in run.engines}
+            # (decode blocks, prefill blocks) of one group, per prefill block size.
+            "group_shapes": sorted(
+                {group_shape(run.spec.decode_block_size, e.block_size) for e in run.engines}
             ),
             "requests": run.issued,
             "requests_by_engine": run.requests_by_engine,

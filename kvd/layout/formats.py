@@ -71,9 +71,14 @@ _LEGACY: dict[tuple[KVArrangement, Layout], str] = {
 }
 
 
+def legacy_preset(kv_arrangement: KVArrangement, layout: Layout) -> str:
+    """The name of the preset a legacy (``kv_arrangement``, ``layout``) description stands for."""
+    return _LEGACY[(kv_arrangement, layout)]
+
+
 def legacy_format(kv_arrangement: KVArrangement, layout: Layout) -> PageFormat:
     """The preset a legacy (``kv_arrangement``, ``layout``) description stands for."""
-    return PRESETS[_LEGACY[(kv_arrangement, layout)]]
+    return PRESETS[legacy_preset(kv_arrangement, layout)]
 
 
 def resolve(ref: FormatRef, where: str = "page_format") -> PageFormat:

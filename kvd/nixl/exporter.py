@@ -22,6 +22,7 @@ import torch
 import zmq
 
 from kvd.dtypes import dtype_name
+from kvd.layout.formats import legacy_preset
 from kvd.layout.geometry import TensorGeometry, shape_geometry
 from kvd.nixl import agent as nixl_agent
 from kvd.protocol import (
@@ -112,6 +113,7 @@ class Exporter:
                 for i, (t, g) in enumerate(zip(self.tensors, self.geometries, strict=True))
             ],
             tp_size=tp_size,
+            page_format=legacy_preset(kv_arrangement, layout),
         )
         self._reply = msgspec.msgpack.encode(self.description)
         self._encoder = msgspec.msgpack.Encoder()

@@ -1,10 +1,11 @@
 """The decode side: pull a request's blocks from a prefill peer with NIXL READs, then tell kvd.
 
 ``Reader`` registers the local caches (the tensors kvd has attached), shakes hands with each
-prefill exporter once, prepares descriptor lists once per peer and per (cache, ratio), and
-issues one READ per request. ``poll`` checks the READs without waiting and sends kvd a
-``ReadDone`` for each finished one, or a ``ReadFailed`` naming the request's local blocks when
-NIXL reports an error, the peer is gone, or the READ outlives ``read_timeout_s``.
+prefill exporter once, prepares descriptor lists once per (peer, chunks) and per (cache, ratio),
+and issues one READ per request (``kvd.nixl.mapping`` maps the blocks, in both directions).
+``poll`` checks the READs without waiting and sends kvd a ``ReadDone`` for each finished one, or
+a ``ReadFailed`` naming the request's local blocks when NIXL reports an error, the peer is gone,
+or the READ outlives ``read_timeout_s``.
 
 Every ``read`` ends in exactly one ``ReadResult`` from ``poll`` and exactly one notification to
 kvd, failures included (a bad block list, an unknown peer): nothing is left unanswered. The
@@ -27,12 +28,14 @@ import torch
 import zmq
 
 from kvd.dtypes import ITEMSIZE
+from kvd.layout.formats import FormatError, legacy_format, resolve
 from kvd.layout.geometry import (
     GeometryError,
     TensorGeometry,
     cache_geometry,
     shape_geometry,
 )
+from kvd.layout.planner import group_shape
 from kvd.nixl import agent as nixl_agent
 from kvd.nixl.mapping import (
     MappingError,
@@ -42,7 +45,15 @@ from kvd.nixl.mapping import (
     remote_descriptors,
     tensor_regions,
 )
-from kvd.protocol import CacheDescription, Error, Handshake, HandshakeReply, Layout, TensorSpec
+from kvd.protocol import (
+    CacheDescription,
+    Error,
+    FormatRef,
+    Handshake,
+    HandshakeReply,
+    Layout,
+    TensorSpec,
+)
 from kvd.shm import physical_shape
 
 if TYPE_CHECKING:
@@ -78,7 +89,7 @@ class _Peer:
     description: CacheDescription
     agent_name: str
     regions: list[Region]
-    remote_dlist: Any
+    dlists: dict[int, Any]  # chunks per block -> prepared dlist (1: whole blocks, from the start)
 
 
 @dataclass(slots=True)
@@ -100,7 +111,9 @@ class _Pending:
     cache_id: str
     local_block_ids: list[int]
     remote_layout: Layout
-    ratio: int
+    remote_format: FormatRef | None
+    remote_block_size: int
+    block_size_ratio: int  # 0 when it cannot say it (a remote block larger than a local one)
     nbytes: int
     handle: Any
     started: float
@@ -210,6 +223,7 @@ class Reader:
     def add_peer(self, description: CacheDescription) -> str:
         """Use a peer whose description arrived some other way; returns its engine id."""
         regions = _remote_regions(description)
+        _check_page_format(description)
         if description.engine_id in self._peers:
             self.remove_peer(description.engine_id)
         try:
@@ -225,7 +239,9 @@ class Reader:
             )
         except self._nixl_errors as e:
             raise HandshakeError(f"peer {description.engine_id!r}: NIXL refused it: {e}") from e
-        self._peers[description.engine_id] = _Peer(description, agent_name, regions, remote_dlist)
+        self._peers[description.engine_id] = _Peer(
+            description, agent_name, regions, {1: remote_dlist}
+        )
         log.info(
             "peer %r: %d blocks of %d tokens, %s, %d tensors",
             description.engine_id,
@@ -238,7 +254,8 @@ class Reader:
 
     def remove_peer(self, engine_id: str) -> None:
         peer = self._peers.pop(engine_id)
-        self.agent.release_dlist_handle(peer.remote_dlist)
+        for dlist in peer.dlists.values():
+            self.agent.release_dlist_handle(dlist)
         self.agent.remove_remote_agent(peer.agent_name)
 
     # -- requests ------------------------------------------------------------------------------
@@ -251,18 +268,23 @@ class Reader:
         remote_block_ids: Sequence[int],
         local_block_ids: Sequence[int],
     ) -> None:
-        """Issue the READ of one request: remote blocks ``r*j .. r*j+r-1`` into local block j.
+        """Issue the READ of one request.
 
+        Remote blocks no larger than local ones (``r`` = local / remote block size): remote
+        blocks ``r*j .. r*j+r-1`` into local block ``j``, the last one maybe partly. Larger
+        ones (``k`` = remote / local block size): remote block ``i`` across local blocks
+        ``k*i .. k*i+k-1``, so ``local_block_ids`` lists exactly ``k`` per remote block.
         Never raises for a bad request: it becomes a failed ``ReadResult`` and a ``ReadFailed``.
         """
         now = time.monotonic()
         local_ids = list(local_block_ids)
         try:
-            peer, cache, ratio = self._route(engine_id, cache_id)
+            peer, cache, ratio, chunks = self._route(engine_id, cache_id)
             plan = plan_read(
                 remote_block_ids,
                 local_ids,
                 ratio=ratio,
+                chunks=chunks,
                 num_regions=len(cache.regions),
                 remote_num_blocks=peer.description.num_blocks,
                 local_num_blocks=cache.geometry.num_blocks,
@@ -271,7 +293,7 @@ class Reader:
                 "READ",
                 self._local_dlist(cache, ratio),
                 plan.local,
-                peer.remote_dlist,
+                self._remote_dlist(peer, chunks),
                 plan.remote,
                 f"{req_id}:{self.tp_size}".encode(),
             )
@@ -294,8 +316,10 @@ class Reader:
             cache_id=cache_id,
             local_block_ids=local_ids,
             remote_layout=peer.description.layout,
-            ratio=ratio,
-            nbytes=plan.num_descriptors * peer.regions[0].block_len,
+            remote_format=peer.description.page_format,
+            remote_block_size=peer.description.block_size,
+            block_size_ratio=ratio if chunks == 1 else 0,
+            nbytes=len(remote_block_ids) * sum(r.block_len for r in peer.regions),
             handle=handle,
             started=now,
             deadline=now + self.read_timeout_s,
@@ -382,14 +406,15 @@ class Reader:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _route(self, engine_id: str, cache_id: str) -> tuple[_Peer, _LocalCache, int]:
+    def _route(self, engine_id: str, cache_id: str) -> tuple[_Peer, _LocalCache, int, int]:
+        """The peer, the cache, and (block_size_ratio, chunks) between them."""
         peer = self._peers.get(engine_id)
         if peer is None:
             raise HandshakeError(f"engine_id: no handshake with {engine_id!r}")
         cache = self._caches.get(cache_id)
         if cache is None:
             raise MappingError(f"cache_id: {cache_id!r} was not added to the reader")
-        return peer, cache, _ratio(peer, cache)
+        return peer, cache, *_group(peer, cache)
 
     def _local_dlist(self, cache: _LocalCache, ratio: int) -> Any:
         dlist = cache.dlists.get(ratio)
@@ -400,6 +425,17 @@ class Reader:
                 cache.mem_type,
             )
             cache.dlists[ratio] = dlist
+        return dlist
+
+    def _remote_dlist(self, peer: _Peer, chunks: int) -> Any:
+        dlist = peer.dlists.get(chunks)
+        if dlist is None:
+            dlist = self.agent.prep_xfer_dlist(
+                peer.agent_name,
+                remote_descriptors(peer.regions, peer.description.device_id, chunks),
+                peer.description.mem_type,
+            )
+            peer.dlists[chunks] = dlist
         return dlist
 
     def _finish(self, p: _Pending, reason: str) -> None:
@@ -419,12 +455,15 @@ class Reader:
             )
             return
         finished = time.monotonic()
+        # block_size_ratio too when it can say it, for a kvd that predates remote_block_size.
         self.kvd.read_done(
             p.req_id,
             p.cache_id,
             p.local_block_ids,
-            remote_layout=p.remote_layout,
-            block_size_ratio=p.ratio,
+            remote_layout=None if p.remote_format is not None else p.remote_layout,
+            remote_format=p.remote_format,
+            block_size_ratio=p.block_size_ratio,
+            remote_block_size=p.remote_block_size,
             remote_engine_id=p.engine_id,
         )
         self._results.append(
@@ -505,8 +544,27 @@ def _remote_regions(d: CacheDescription) -> list[Region]:
     return regions
 
 
-def _ratio(peer: _Peer, cache: _LocalCache) -> int:
-    """block_size_ratio between ``peer`` and ``cache``, or ``MappingError`` saying why none."""
+def _check_page_format(d: CacheDescription) -> None:
+    """A stated ``page_format`` must be the one ``kv_arrangement`` and ``layout`` name: the
+    reader addresses blocks from those, kvd rewrites them from the format."""
+    if d.page_format is None:
+        return
+    where = f"peer {d.engine_id!r}"
+    try:
+        stated = resolve(d.page_format, f"{where}: page_format")
+    except FormatError as e:
+        raise HandshakeError(str(e)) from None
+    if stated != legacy_format(d.kv_arrangement, d.layout):
+        raise HandshakeError(
+            f"{where}: page_format {d.page_format!r} is not the format of kv_arrangement "
+            f"{d.kv_arrangement!r} and layout {d.layout!r}"
+        )
+
+
+def _group(peer: _Peer, cache: _LocalCache) -> tuple[int, int]:
+    """(block_size_ratio, chunks) between ``peer`` and ``cache`` (one of them 1), or
+    ``MappingError`` saying why none: ratio r when the remote block size divides the local one,
+    chunks k when it is k times the local one."""
     d, g = peer.description, cache.geometry
     where = f"peer {d.engine_id!r} into cache {cache.cache_id!r}"
     if d.kv_arrangement != g.arrangement:
@@ -525,11 +583,20 @@ def _ratio(peer: _Peer, cache: _LocalCache) -> int:
             f"{where}: the remote cache has {len(peer.regions)} K/V regions "
             f"({len(d.tensors)} tensors), the local one {len(cache.regions)}"
         )
-    if g.block_size % d.block_size:
+    try:
+        chunks, ratio = group_shape(g.block_size, d.block_size)
+    except ValueError:
         raise MappingError(
-            f"{where}: remote block_size {d.block_size} does not divide local {g.block_size}"
+            f"{where}: remote block_size {d.block_size} does not divide local {g.block_size}, "
+            "nor is it a multiple of it"
+        ) from None
+    remote_len, local_len = peer.regions[0].block_len, cache.regions[0].block_len
+    if remote_len * ratio != local_len * chunks:
+        raise MappingError(
+            f"{where}: a remote block of {remote_len} bytes and a local one of {local_len} "
+            f"do not fit at block sizes {d.block_size} -> {g.block_size}"
         )
-    return g.block_size // d.block_size
+    return ratio, chunks
 
 
 def _nixl_reason(e: BaseException) -> str:
