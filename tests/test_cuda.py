@@ -1,6 +1,8 @@
-"""The CUDA path on a real GPU: the Triton kernel's exactness, CUDA IPC attach, the stream.
+"""The CUDA path: its thread, error and lifetime discipline with the CUDA calls faked (runs
+anywhere), and on a real GPU the Triton kernel's exactness, CUDA IPC attach and the stream.
 
-Skipped without CUDA. `.ci/device-check` runs these on a GPU machine.
+Tests marked ``cuda`` are skipped without a CUDA device; `.ci/device-check` runs this whole file
+on a GPU machine.
 """
 
 from __future__ import annotations
@@ -9,23 +11,73 @@ import os
 import random
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 
 import pytest
 import torch
 
+from kvd import cudaipc
 from kvd.client import Client, KvdError
-from kvd.cudaipc import CudaIpcError, export_tensor
+from kvd.cudaipc import CudaIpcError, IpcMapping, export_tensor
 from kvd.daemon_process import DaemonProcess
-from kvd.protocol import TensorSpec
-from tests.daemon_helpers import by_req, collect
+from kvd.protocol import CudaIpcRef, TensorSpec
+from tests.daemon_helpers import by_req, collect, wait_for
+from tests.fake_cuda import CUDA_ERROR_INVALID_VALUE, FakeDriver, FakeRuntime
 from tests.kernel_cases import check_cache, make_cache
 from tests.reference import expected_block, random_bytes, same_bytes
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+"""With ``pytest.mark.cuda``: a test that needs a real GPU."""
+
+GPU3 = torch.device("cuda", 3)
+
+
+# -- without a GPU: the CUDA calls faked ----------------------------------------------------------
+
+
+@pytest.fixture
+def fake_runtime(monkeypatch: pytest.MonkeyPatch) -> tuple[FakeRuntime, FakeDriver]:
+    runtime = FakeRuntime()
+    driver = FakeDriver(runtime)
+    monkeypatch.setattr(cudaipc, "_runtime", lambda: runtime)
+    monkeypatch.setattr(cudaipc, "_driver", lambda: driver)
+    return runtime, driver
+
+
+def test_an_allocation_of_unknown_size_is_refused(fake_runtime) -> None:
+    """Without the allocation's size the tensor's bounds cannot be checked: fail closed."""
+    runtime, driver = fake_runtime
+    driver.fail = CUDA_ERROR_INVALID_VALUE
+    with pytest.raises(CudaIpcError, match="cuMemGetAddressRange failed"):
+        IpcMapping(CudaIpcRef(handle=bytes(64)), GPU3)
+    assert runtime.open_handles == {}, "the handle opened before the failure was not closed"
+
+
+def test_a_tensor_past_the_end_of_its_allocation_is_refused(fake_runtime) -> None:
+    _, driver = fake_runtime
+    driver.size = 4096
+    mapping = IpcMapping(CudaIpcRef(handle=bytes(64)), GPU3)
+    with pytest.raises(CudaIpcError, match="holds 4096 bytes"):
+        mapping.tensor(1024, 4096)
+
+
+def test_a_mapping_is_closed_off_the_thread_that_drops_it(fake_runtime) -> None:
+    """The last reference may go on the event loop (a Detach): closing must not block there."""
+    runtime, _ = fake_runtime
+    mapping = IpcMapping(CudaIpcRef(handle=bytes(64)), GPU3)
+    address = mapping.ptr
+    del mapping
+    wait_for(lambda: address in runtime.closed)
+    me = threading.current_thread().name
+    blocking = ("cudaDeviceSynchronize", "cudaIpcCloseMemHandle")
+    assert all(thread != me for name in blocking for thread, _ in runtime.called(name))
+    ((thread, device),) = runtime.called("cudaIpcCloseMemHandle")
+    assert device == 3, "closed on a thread whose current device is not the mapping's"
+    assert (thread, 3) in runtime.called("cudaDeviceSynchronize"), "closed before kvd was idle"
+
+
+# -- on a GPU -------------------------------------------------------------------------------------
 
 CASES = [
     # (remote, local, local block size, remote block sizes)
@@ -41,6 +93,8 @@ CASES = [
 ]
 
 
+@pytest.mark.cuda
+@gpu
 @pytest.mark.parametrize("two_pass", [False, True])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "float32"])
 @pytest.mark.parametrize("case", CASES)
@@ -96,6 +150,8 @@ def cuda_specs(tensors: list[torch.Tensor], layout: str, block_size: int) -> lis
     ]
 
 
+@pytest.mark.cuda
+@gpu
 def test_cuda_ipc_attach_and_post_process(gpu_daemon: DaemonProcess) -> None:
     block_size, heads, head_dim = 64, 8, 128
     host = [random_bytes([2, 64, block_size, heads, head_dim], torch.bfloat16, i) for i in range(4)]
@@ -137,6 +193,8 @@ def test_cuda_ipc_attach_and_post_process(gpu_daemon: DaemonProcess) -> None:
         sub.close()
 
 
+@pytest.mark.cuda
+@gpu
 def test_wrong_gpu_and_bad_handles_are_refused(gpu_daemon: DaemonProcess) -> None:
     t = torch.zeros(2, 4, 16, 2, 8, dtype=torch.float16, device="cuda")
     (spec,) = cuda_specs([t], "NHD", 16)
@@ -161,6 +219,8 @@ def test_wrong_gpu_and_bad_handles_are_refused(gpu_daemon: DaemonProcess) -> Non
         assert c.ping().protocol_version == 1  # still serving
 
 
+@pytest.mark.cuda
+@gpu
 def test_expandable_segments_cannot_be_exported() -> None:
     code = (
         "import torch\n"
