@@ -1,5 +1,6 @@
 """Stand-ins for the CUDA calls kvd makes, so the CUDA path's thread and error discipline is
-tested without a GPU: the runtime and driver libraries ``kvd.cudaipc`` loads with ctypes.
+tested without a GPU: the runtime and driver libraries ``kvd.cudaipc`` loads with ctypes, and
+``HostCuda``, a ``kvd.kernels.device.CudaApi`` over host memory.
 
 Each records ``(call, thread name, the calling thread's current device)``; the current device
 is per thread and starts at 0, as CUDA's does.
@@ -7,9 +8,13 @@ is per thread and starts at 0, as CUDA's does.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
+from collections.abc import Iterator
 from typing import Any
+
+import torch
 
 CUDA_SUCCESS = 0
 CUDA_ERROR_INVALID_VALUE = 1
@@ -95,3 +100,116 @@ class FakeDriver:
         base._obj.value = address
         size._obj.value = self.size
         return CUDA_SUCCESS
+
+
+class FakeStream:
+    def __init__(self, device: torch.device, priority: int, name: str) -> None:
+        self.device = device
+        self.priority = priority
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"FakeStream({self.name})"
+
+
+class FakeEvent:
+    def __init__(self, api: HostCuda, interprocess: bool) -> None:
+        self.api = api
+        self.interprocess = interprocess
+        self.recorded_on: FakeStream | None = None
+        self.fail: BaseException | None = None
+        """Raised by ``synchronize``: an asynchronous CUDA error surfacing."""
+
+    def record(self, stream: Any) -> None:
+        self.api.note("record")
+        self.recorded_on = stream
+
+    def synchronize(self) -> None:
+        self.api.note("event.synchronize")
+        if self.fail is not None:
+            raise self.fail
+
+    def query(self) -> bool:
+        return True
+
+
+class HostCuda:
+    """``kvd.kernels.device.CudaApi`` over host memory: "device" tensors are CPU tensors (so
+    Triton's interpreter can run kvd's kernels on them), copies are immediate, events are done
+    at once. Each thread's current device (0 at first) and stream are tracked, and every call
+    is noted with them: ``notes`` holds (call, thread name, device index, stream name)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self.notes: list[tuple[str, str, int, str]] = []
+        self.events: list[FakeEvent] = []
+        self.broken_reason: str | None = None
+        self.pinned_bytes = 0
+
+    # -- what the thread has current --------------------------------------------------------
+
+    def current(self) -> tuple[int, str]:
+        stream = getattr(self._local, "stream", None)
+        return getattr(self._local, "device", 0), stream.name if stream else "default"
+
+    def note(self, call: str) -> None:
+        device, stream = self.current()
+        with self._lock:
+            self.notes.append((call, threading.current_thread().name, device, stream))
+
+    def noted(self, call: str) -> list[tuple[str, int, str]]:
+        with self._lock:
+            return [(t, d, s) for c, t, d, s in self.notes if c == call]
+
+    # -- CudaApi ------------------------------------------------------------------------------
+
+    def set_device(self, device: torch.device) -> None:
+        self._local.device = device.index or 0
+        self.note("set_device")
+
+    def new_stream(self, device: torch.device, priority: int) -> Any:
+        return FakeStream(device, priority, f"kvd{device.index}")
+
+    @contextlib.contextmanager
+    def use(self, device: torch.device, stream: Any) -> Iterator[None]:
+        saved = (getattr(self._local, "device", 0), getattr(self._local, "stream", None))
+        self._local.device, self._local.stream = device.index or 0, stream
+        try:
+            yield
+        finally:
+            self._local.device, self._local.stream = saved
+
+    def set_stream(self, stream: Any) -> None:
+        self._local.device, self._local.stream = stream.device.index or 0, stream
+
+    def new_event(self, *, blocking: bool = False, interprocess: bool = False) -> FakeEvent:
+        event = FakeEvent(self, interprocess)
+        with self._lock:
+            self.events.append(event)
+        return event
+
+    def ipc_handle(self, event: Any) -> bytes:
+        return id(event).to_bytes(8, "little") * 8
+
+    def pinned(self, nbytes: int) -> torch.Tensor:
+        self.pinned_bytes += nbytes
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def upload(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        self.note("upload")
+        return host.clone()
+
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.note("copy_async")
+        dst.copy_(src)
+
+    def synchronize(self, device: torch.device) -> None:
+        self.note("synchronize")
+
+    def broken(self, device: torch.device) -> str | None:
+        self.note("broken")
+        return self.broken_reason

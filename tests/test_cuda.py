@@ -7,6 +7,7 @@ on a GPU machine.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import subprocess
@@ -14,16 +15,24 @@ import sys
 import threading
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
 
 from kvd import cudaipc
 from kvd.client import Client, KvdError
 from kvd.cudaipc import CudaIpcError, IpcMapping, export_tensor
+from kvd.daemon.attach import warm_up
+from kvd.daemon.executor import CudaExecutor, Job, WorkItem
+from kvd.daemon.registry import AttachedCache, Owner
 from kvd.daemon_process import DaemonProcess
+from kvd.kernels import device
+from kvd.kernels.device import IdRing, Lane
+from kvd.layout.formats import PRESETS, PageSizes
+from kvd.layout.planner import plan
 from kvd.protocol import CudaIpcRef, TensorSpec
 from tests.daemon_helpers import by_req, collect, wait_for
-from tests.fake_cuda import CUDA_ERROR_INVALID_VALUE, FakeDriver, FakeRuntime
+from tests.fake_cuda import CUDA_ERROR_INVALID_VALUE, FakeDriver, FakeRuntime, HostCuda
 from tests.kernel_cases import check_cache, make_cache
 from tests.reference import expected_block, random_bytes, same_bytes
 
@@ -77,6 +86,122 @@ def test_a_mapping_is_closed_off_the_thread_that_drops_it(fake_runtime) -> None:
     assert (thread, 3) in runtime.called("cudaDeviceSynchronize"), "closed before kvd was idle"
 
 
+class NotingRewrite:
+    """A kernel pass that notes which device and stream its thread has current."""
+
+    def __init__(self, api: HostCuda) -> None:
+        self.api = api
+
+    def apply(self, requests: list[tuple[list[int], int]]) -> None:
+        self.api.note("apply")
+
+
+def work_item(rewrite: object, blocks: list[int]) -> WorkItem:
+    return WorkItem(batch=None, rewrites=[rewrite], requests=[(blocks, 0)], nbytes=0)  # type: ignore[arg-type, list-item]
+
+
+async def test_the_executor_threads_set_the_lanes_device() -> None:
+    """A thread's current device starts at 0, whatever the main thread chose (kvd serve
+    --device cuda:3): the executor's and the waiter's threads must set the lane's."""
+    api = HostCuda()
+    lane = Lane(GPU3, api=api)
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[Job] = loop.create_future()
+    executor = CudaExecutor(loop, done.set_result, lane)
+    try:
+        executor.submit(Job([work_item(NotingRewrite(api), [1, 2])]))
+        job = await asyncio.wait_for(done, 10)
+    finally:
+        assert executor.close(timeout=10)
+    assert job.items[0].error is None
+    assert api.noted("apply") == [("kvd-executor", 3, "kvd3")]
+    assert [(t, d) for t, d, _ in api.noted("event.synchronize")] == [("kvd-cuda-wait", 3)]
+
+
+def test_warm_up_sets_the_device_of_the_attach_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``open_cache`` and ``warm_up`` run in a worker thread (asyncio.to_thread)."""
+    api = HostCuda()
+    monkeypatch.setitem(device._lanes, GPU3, Lane(GPU3, api=api))
+
+    class NotingPostProcess:
+        def warm_up(self, remote: object, remote_block_size: int) -> None:
+            api.note("warm_up")
+
+    cache = AttachedCache(
+        cache_id="c",
+        tensors=[],
+        num_blocks=4,
+        block_size=16,
+        device=GPU3,
+        owner=Owner(b"", ""),
+        postprocesses={PRESETS["NHD"]: NotingPostProcess()},  # type: ignore[dict-item]
+    )
+    worker = threading.Thread(target=warm_up, args=(cache,), name="attach-worker")
+    worker.start()
+    worker.join()
+    assert [d for _, d, _ in api.noted("warm_up")] == [3, 3]
+    assert ("attach-worker", 3, "default") in api.noted("synchronize")
+
+
+def test_launches_go_to_the_lanes_device_and_stream_from_any_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Triton launches on the calling thread's current device and stream: the post-process
+    makes the lane's current around its launches and uploads, on whatever thread."""
+    from kvd.kernels import gpu
+
+    api = HostCuda()
+    lane = Lane(GPU3, api=api)
+    monkeypatch.setattr(gpu, "apply_runs", lambda *args: api.note("launch"))
+    cache = make_cache("NHD", dtype="bfloat16", block_size=8, num_blocks=6)
+    post = cache.postprocess(lane=lane)
+    post.backend = "triton"
+
+    def attach_and_serve() -> None:
+        post.warm_up("HND", 8)
+        post.apply([([1, 4], 0), ([2], 1)], "HND", 4)
+
+    worker = threading.Thread(target=attach_and_serve, name="some-thread")
+    worker.start()
+    worker.join()
+    calls = [n for n in api.notes if n[0] in ("launch", "upload", "copy_async")]
+    assert {c for c, *_ in calls} >= {"launch", "upload"}
+    assert {(t, d, s) for _, t, d, s in calls} == {("some-thread", 3, "kvd3")}
+
+
+def test_block_ids_travel_through_a_reused_pinned_ring() -> None:
+    api = HostCuda()
+    lane = Lane(GPU3, api=api)
+    lane.ids = IdRing(lane, slots=2, slot_ids=4)
+    for n in range(5):
+        ids = np.arange(3, dtype=np.int32) + n
+        with lane.launching(), lane.ids.slot(ids) as on_device:
+            assert on_device.tolist() == ids.tolist()
+            api.note("launch")
+    assert api.pinned_bytes == 2 * 4 * 4, "pinned memory allocated per launch"
+    # Each slot's event is recorded after its launches, and waited for before the slot is
+    # written again (uses 3, 4 and 5 reuse slots 0, 1, 0).
+    calls = [c for c, *_ in api.notes if c in ("launch", "record", "event.synchronize")]
+    assert calls == ["launch", "record"] * 2 + ["event.synchronize", "launch", "record"] * 3
+    with pytest.raises(ValueError, match="do not fit"), lane.ids.slot(np.arange(5, dtype=np.int32)):
+        pass
+
+
+def test_the_benchmark_page_is_rewritten_in_place_in_tiles_that_fit_registers() -> None:
+    """64 tokens x 8 heads x 128 head_dim bf16: a 128 KiB page, one pass, no scratch."""
+    from kvd.kernels import gpu
+
+    sizes = PageSizes(num_layers=1, num_heads=8, block_size=64, head_dim=128, itemsize=2)
+    for nP in (64, 16):
+        prepared = gpu.prepare(
+            plan(PRESETS["HND"], PRESETS["NHD"], sizes, nP), Lane(GPU3, api=HostCuda()), 16
+        )
+        assert prepared.in_place
+        assert prepared.tile_words * prepared.width <= 64 * 1024
+        assert prepared.tile_words <= prepared.num_warps * 32 * gpu.WORDS_PER_THREAD
+        assert prepared.slice_words * prepared.width == 128, "a program moves whole lines"
+
+
 # -- on a GPU -------------------------------------------------------------------------------------
 
 CASES = [
@@ -103,7 +228,7 @@ def test_triton_kernel_matches_reference(case, dtype, two_pass, monkeypatch) -> 
 
     remote, local, block_size, remote_block_sizes = case
     if two_pass:
-        monkeypatch.setattr(gpu, "MAX_TILE_BYTES", 0)
+        monkeypatch.setattr(gpu, "TILE_BYTES", 0)
     rng = random.Random(f"{remote}{local}{dtype}{two_pass}")
     for nP in remote_block_sizes:
         cache = make_cache(

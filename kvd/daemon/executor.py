@@ -17,11 +17,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from kvd.daemon.batcher import Batch
 from kvd.daemon.registry import Rewrite
 from kvd.kernels import MemoryFault
+from kvd.kernels.device import CudaEvent, Lane
 from kvd.layout.formats import FormatError
 from kvd.layout.planner import PlanError
 from kvd.protocol import Reason
@@ -138,23 +137,18 @@ class Executor:
 
 
 class CudaExecutor(Executor):
-    """Launches on a dedicated CUDA stream; a second thread waits for each job's event.
+    """Launches on the lane's stream; a second thread waits for each job's event.
 
     Two jobs may be outstanding, so the next batch is launched while the GPU runs the last one.
     """
 
     capacity = 2
 
-    def __init__(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        on_done: DoneCallback,
-        device: torch.device,
-        priority: int = 0,
-    ) -> None:
-        self.device = device
-        self.stream = torch.cuda.Stream(device=device, priority=priority)  # type: ignore[no-untyped-call]
-        self._waiting: queue.SimpleQueue[tuple[Job, torch.cuda.Event] | None] = queue.SimpleQueue()
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_done: DoneCallback, lane: Lane) -> None:
+        self.lane = lane
+        self.device = lane.device
+        self.stream = lane.stream
+        self._waiting: queue.SimpleQueue[tuple[Job, CudaEvent] | None] = queue.SimpleQueue()
         self._waiter = threading.Thread(target=self._wait, name="kvd-cuda-wait", daemon=True)
         self._waiter.start()
         super().__init__(loop, on_done)
@@ -166,18 +160,18 @@ class CudaExecutor(Executor):
         return stopped and not self._waiter.is_alive()
 
     def _run(self) -> None:
-        torch.cuda.set_device(self.device)
+        self.lane.enter()  # this thread's device and stream, for good
         while (job := self._queue.get()) is not None:
             job.started_ns = time.monotonic_ns()
-            with torch.cuda.stream(self.stream):
-                for item in job.items:
-                    run_item(item)
-                # Blocking sync: the waiter thread sleeps instead of spinning on the event.
-                event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
-                event.record(self.stream)
+            for item in job.items:
+                run_item(item)
+            # Blocking sync: the waiter thread sleeps instead of spinning on the event.
+            event = self.lane.api.new_event(blocking=True)
+            event.record(self.stream)
             self._waiting.put((job, event))
 
     def _wait(self) -> None:
+        self.lane.api.set_device(self.device)
         while (entry := self._waiting.get()) is not None:
             job, event = entry
             try:

@@ -45,6 +45,7 @@ from kvd.daemon.sockets import (
 from kvd.daemon.timers import Every
 from kvd.endpoints import Endpoints, default_runtime_dir
 from kvd.kernels import cpu as kernels_cpu
+from kvd.kernels.device import lane_for
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +190,7 @@ class Server:
             def executor_factory(
                 loop: asyncio.AbstractEventLoop, done: Callable[[Job], None]
             ) -> Executor:
-                return CudaExecutor(loop, done, device, priority=config.stream_priority)
+                return CudaExecutor(loop, done, lane_for(device, config.stream_priority))
 
         pipeline = Pipeline(
             loop,
