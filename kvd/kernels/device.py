@@ -190,18 +190,24 @@ class Lane:
         self.ids = IdRing(self)
         self._lock = threading.Lock()
         self._scratch: torch.Tensor | None = None
+        self._entered = threading.local()
 
     @contextlib.contextmanager
     def launching(self) -> Iterator[None]:
         """The lane's device and stream current on this thread, and the lane's to enqueue on."""
-        with self._lock, self.api.use(self.device, self.stream):
-            yield
+        with self._lock:
+            if getattr(self._entered, "yes", False):
+                yield  # the executor's thread: current already, skip the context's cost
+                return
+            with self.api.use(self.device, self.stream):
+                yield
 
     def enter(self) -> None:
         """Make the lane's device and stream current for the rest of the calling thread's life
-        (kvd's own threads, which do nothing else)."""
+        (kvd's own threads, which do nothing else with CUDA)."""
         self.api.set_device(self.device)
         self.api.set_stream(self.stream)
+        self._entered.yes = True
 
     def upload(self, values: npt.NDArray[Any], dtype: torch.dtype) -> torch.Tensor:
         """``values`` on the device, enqueued on the lane's stream (under ``launching``)."""

@@ -58,16 +58,18 @@ _MAX_ALIGN = 16  # the widest vector load
 _WORDS = {4: tl.int32, 2: tl.int16, 1: tl.uint8}
 
 
-@triton.jit
+# Sizes that vary with the geometry are runtime arguments, not specialised on, so that one
+# compiled kernel serves many geometries (compiling costs about a second each).
+@triton.jit(do_not_specialize=["groups", "units", "units_per_page", "k"])
 def _permute_units(
-    ids_ptr,  # int32: K block ids per group
+    ids_ptr,  # int32: k block ids per group
     bases_ptr,  # int64: byte address of block 0, per region
     strides_ptr,  # int64: bytes from one block to the next, per region
     src_ptr,  # int32 per unit: the unit it receives, -1 for zeros (== itself: in place)
     groups,
     units,
-    K: tl.constexpr,
-    UNITS_PER_PAGE: tl.constexpr,
+    units_per_page,
+    k,
     UNIT: tl.constexpr,  # words per unit
     SLICE: tl.constexpr,  # words of each unit this program moves
     BLOCK_U: tl.constexpr,  # units, rounded up to a power of two
@@ -88,11 +90,11 @@ def _permute_units(
     moving = (u < units) & (src != u)
     loads = moving & (src >= 0)
     src = tl.where(loads, src, 0)
-    src_block = tl.load(ids_ptr + g * K + src // UNITS_PER_PAGE, mask=loads, other=0)
-    dst_block = tl.load(ids_ptr + g * K + u // UNITS_PER_PAGE, mask=moving, other=0)
+    src_block = tl.load(ids_ptr + g * k + src // units_per_page, mask=loads, other=0)
+    dst_block = tl.load(ids_ptr + g * k + u // units_per_page, mask=moving, other=0)
     unit_bytes = UNIT * WIDTH
-    src_row = base + src_block.to(tl.int64) * stride + (src % UNITS_PER_PAGE) * unit_bytes + col
-    dst_row = base + dst_block.to(tl.int64) * stride + (u % UNITS_PER_PAGE) * unit_bytes + col
+    src_row = base + src_block.to(tl.int64) * stride + (src % units_per_page) * unit_bytes + col
+    dst_row = base + dst_block.to(tl.int64) * stride + (u % units_per_page) * unit_bytes + col
     src_row = tl.multiple_of(src_row, ALIGN)
     dst_row = tl.multiple_of(dst_row, ALIGN)
     c = tl.arange(0, SLICE)
@@ -104,17 +106,17 @@ def _permute_units(
     tl.store(dst_row.to(tl.pointer_type(WORD))[:, None] + c[None, :], tile, mask=moving[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["groups", "group_words", "page_words", "k"])
 def _gather_words(
     ids_ptr,
     bases_ptr,
     strides_ptr,
     index_ptr,  # int32 per word of a group: the landed word it receives, -1 for zero
-    scratch_ptr,  # (groups x regions, GROUP_WORDS) words
+    scratch_ptr,  # (groups x regions, group_words) words
     groups,
-    GROUP_WORDS,
-    PAGE_WORDS,
-    K: tl.constexpr,
+    group_words,
+    page_words,
+    k,
     TILE: tl.constexpr,
     WORD: tl.constexpr,
     WIDTH: tl.constexpr,
@@ -128,22 +130,22 @@ def _gather_words(
     base = tl.load(bases_ptr + r)
     stride = tl.load(strides_ptr + r)
     i = tl.program_id(1) * TILE + tl.arange(0, TILE)
-    mask = i < GROUP_WORDS
+    mask = i < group_words
     src = tl.load(index_ptr + i, mask=mask, other=0)
     moving = mask & (src != i)
-    slot = scratch_ptr.to(tl.pointer_type(WORD)) + row * GROUP_WORDS
+    slot = scratch_ptr.to(tl.pointer_type(WORD)) + row * group_words
     if TO_SCRATCH:
         loads = moving & (src >= 0)
         src = tl.where(loads, src, 0)
-        block = tl.load(ids_ptr + g * K + src // PAGE_WORDS, mask=loads, other=0).to(tl.int64)
+        block = tl.load(ids_ptr + g * k + src // page_words, mask=loads, other=0).to(tl.int64)
         page = (base + block * stride).to(tl.pointer_type(WORD))
-        tile = tl.load(page + src % PAGE_WORDS, mask=loads, other=0)
+        tile = tl.load(page + src % page_words, mask=loads, other=0)
         tl.store(slot + i, tile, mask=moving)
     else:
         tile = tl.load(slot + i, mask=moving, other=0)
-        block = tl.load(ids_ptr + g * K + i // PAGE_WORDS, mask=moving, other=0).to(tl.int64)
+        block = tl.load(ids_ptr + g * k + i // page_words, mask=moving, other=0).to(tl.int64)
         page = (base + block * stride).to(tl.pointer_type(WORD))
-        tl.store(page + i % PAGE_WORDS, tile, mask=moving)
+        tl.store(page + i % page_words, tile, mask=moving)
 
 
 @dataclass(frozen=True, eq=False)
@@ -277,8 +279,8 @@ def apply_runs(
                     prepared.index,
                     n,
                     prepared.group_words // prepared.unit_words,
-                    K=k,
-                    UNITS_PER_PAGE=plan.page_bytes // width // prepared.unit_words,
+                    plan.page_bytes // width // prepared.unit_words,
+                    k,
                     UNIT=prepared.unit_words,
                     SLICE=prepared.slice_words,
                     BLOCK_U=prepared.block_units,
@@ -308,7 +310,7 @@ def apply_runs(
                     n,
                     group_words,
                     plan.page_bytes // width,
-                    K=k,
+                    k,
                     TILE=tile,
                     WORD=_WORDS[width],
                     WIDTH=width,

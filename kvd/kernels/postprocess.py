@@ -148,6 +148,8 @@ class CachePostProcess:
             raise ValueError("regions: a cache needs at least one region")
         self.device = torch.device(device)
         first = regions[0]
+        if self.device == torch.device("cuda"):
+            self.device = first.pages.device  # "cuda" is the first region's cuda:N
         by_plan: dict[tuple[PageFormat, KV, PageSizes], list[RegionView]] = {}
         for i, region in enumerate(regions):
             if region.pages.device != self.device and not (
