@@ -9,10 +9,14 @@ PyTorch's caching allocator hands out such handles through ``UntypedStorage._sha
 ``cudaMallocAsync`` or from vLLM's sleep-mode allocator is virtual memory that
 ``cudaIpcGetMemHandle`` cannot export: ``export_tensor`` refuses it with an explanation, and kvd
 answers an Attach carrying anything but a 64-byte handle with ``invalid_cache``.
+
+With kvd's ``ready_cuda_event`` setting, a ``Ready`` carries the handle of an interprocess CUDA
+event instead of waiting for the GPU: ``wait_event`` makes the engine's stream wait for it.
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import functools
 import logging
@@ -85,6 +89,45 @@ def check_handle(ref: CudaIpcRef, where: str) -> str | None:
             "be exported with CUDA IPC: allocate the KV cache with expandable_segments:False"
         )
     return f"{where}.memory.handle: must be a 64-byte cudaIpcMemHandle_t, got {len(handle)} bytes"
+
+
+EVENTS_CACHED = 256
+"""Opened kvd events kept per engine process (kvd reuses a small pool of them)."""
+_events: collections.OrderedDict[tuple[int, bytes], torch.cuda.Event] = collections.OrderedDict()
+_events_lock = threading.Lock()
+
+
+def wait_event(handle: bytes, stream: torch.cuda.Stream | None = None) -> None:
+    """Make ``stream`` (default: the current stream) wait, on the GPU, for the post-process a
+    kvd ``Ready`` with ``cuda_event`` announced (engine side; ``cudaStreamWaitEvent``).
+
+    Returns at once; work enqueued on ``stream`` afterwards runs once kvd's kernels are done.
+    ``stream`` must be on the GPU kvd serves (the one the blocks are on). Each handle is opened
+    once (``cudaIpcOpenEventHandle``) and kept: kvd reuses a small pool of events. Call
+    ``forget_events`` when kvd restarts (a new ``epoch``): the old handles are dead.
+    """
+    if len(handle) != HANDLE_BYTES:
+        raise CudaIpcError(
+            f"cuda_event: a 64-byte cudaIpcEventHandle_t is needed, got {len(handle)}"
+        )
+    stream = stream if stream is not None else torch.cuda.current_stream()
+    key = (stream.device_index, bytes(handle))
+    with _events_lock:
+        event = _events.get(key)
+        if event is None:
+            event = torch.cuda.Event.from_ipc_handle(stream.device, handle)  # type: ignore[no-untyped-call]
+            _events[key] = event
+            while len(_events) > EVENTS_CACHED:
+                _events.popitem(last=False)
+        else:
+            _events.move_to_end(key)
+    stream.wait_event(event)
+
+
+def forget_events() -> None:
+    """Drop the kvd events ``wait_event`` opened (after kvd restarted)."""
+    with _events_lock:
+        _events.clear()
 
 
 class _IpcHandle(ctypes.Structure):

@@ -113,9 +113,10 @@ class FakeStream:
 
 
 class FakeEvent:
-    def __init__(self, api: HostCuda, interprocess: bool) -> None:
+    def __init__(self, api: HostCuda, interprocess: bool, blocking: bool) -> None:
         self.api = api
         self.interprocess = interprocess
+        self.blocking = blocking
         self.recorded_on: FakeStream | None = None
         self.fail: BaseException | None = None
         """Raised by ``synchronize``: an asynchronous CUDA error surfacing."""
@@ -126,6 +127,9 @@ class FakeEvent:
 
     def synchronize(self) -> None:
         self.api.note("event.synchronize")
+        gate = self.api.hold_completion
+        if self.blocking and gate is not None:
+            assert gate.wait(30), "the test never let the GPU work complete"
         if self.fail is not None:
             raise self.fail
 
@@ -145,7 +149,12 @@ class HostCuda:
         self.notes: list[tuple[str, str, int, str]] = []
         self.events: list[FakeEvent] = []
         self.broken_reason: str | None = None
+        """What ``broken`` answers: the context's sticky error."""
+        self.fail_next_event: BaseException | None = None
+        """Raised by the next completion event's ``synchronize``: an asynchronous error."""
         self.pinned_bytes = 0
+        self.hold_completion: threading.Event | None = None
+        """When set, a job's completion event completes only once this is set."""
 
     # -- what the thread has current --------------------------------------------------------
 
@@ -184,7 +193,9 @@ class HostCuda:
         self._local.device, self._local.stream = stream.device.index or 0, stream
 
     def new_event(self, *, blocking: bool = False, interprocess: bool = False) -> FakeEvent:
-        event = FakeEvent(self, interprocess)
+        event = FakeEvent(self, interprocess, blocking)
+        if blocking and self.fail_next_event is not None:  # a job's completion event
+            event.fail, self.fail_next_event = self.fail_next_event, None
         with self._lock:
             self.events.append(event)
         return event

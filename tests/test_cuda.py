@@ -13,25 +13,31 @@ import random
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from kvd import cudaipc
-from kvd.client import Client, KvdError
+from kvd.client import Client, KvdError, ShmCache, read_done_message
 from kvd.cudaipc import CudaIpcError, IpcMapping, export_tensor
-from kvd.daemon.attach import warm_up
+from kvd.daemon.attach import open_cache, warm_up
 from kvd.daemon.executor import CudaExecutor, Job, WorkItem
-from kvd.daemon.registry import AttachedCache, Owner
+from kvd.daemon.journal import Journal
+from kvd.daemon.metrics import Metrics
+from kvd.daemon.pipeline import Pipeline
+from kvd.daemon.registry import AttachedCache, Owner, Registry
+from kvd.daemon.server import EXIT_DEVICE_FAILED
 from kvd.daemon_process import DaemonProcess
 from kvd.kernels import device
 from kvd.kernels.device import IdRing, Lane
 from kvd.layout.formats import PRESETS, PageSizes
 from kvd.layout.planner import plan
-from kvd.protocol import CudaIpcRef, TensorSpec
-from tests.daemon_helpers import by_req, collect, wait_for
+from kvd.protocol import Attach, CudaIpcRef, Failed, Ready, TensorSpec
+from tests.daemon_helpers import EventTap, by_req, collect, wait_for
 from tests.fake_cuda import CUDA_ERROR_INVALID_VALUE, FakeDriver, FakeRuntime, HostCuda
 from tests.kernel_cases import check_cache, make_cache
 from tests.reference import expected_block, random_bytes, same_bytes
@@ -116,6 +122,235 @@ async def test_the_executor_threads_set_the_lanes_device() -> None:
     assert job.items[0].error is None
     assert api.noted("apply") == [("kvd-executor", 3, "kvd3")]
     assert [(t, d) for t, d, _ in api.noted("event.synchronize")] == [("kvd-cuda-wait", 3)]
+
+
+class FailingRewrite:
+    """A kernel pass whose launch raises, as a CUDA call does once the context is broken."""
+
+    def apply(self, requests: list[tuple[list[int], int]]) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+async def test_an_asynchronous_cuda_error_stops_the_executor_without_answers() -> None:
+    """A sticky error (an illegal address) leaves the context broken and the blocks of every
+    job after the last completed one undefined: those jobs are never reported (the journal
+    answers them at the next start), the executor takes no more work, kvd is told to exit."""
+    api = HostCuda()
+    lane = Lane(GPU3, api=api)
+    loop = asyncio.get_running_loop()
+    fatal: list[str] = []
+    executor = CudaExecutor(loop, lambda job: None, lane, on_fatal=fatal.append)
+    first, second = (
+        Job([work_item(NotingRewrite(api), [1])]),
+        Job([work_item(NotingRewrite(api), [2])]),
+    )
+    try:
+        executor.submit(first)
+        done: asyncio.Future[Job] = loop.create_future()
+        executor._on_done = done.set_result
+        await asyncio.wait_for(done, 10)
+        reported: list[Job] = []
+        executor._on_done = reported.append
+        api.fail_next_event = RuntimeError("CUDA error: an illegal memory access was encountered")
+        executor.submit(second)
+        await poll(lambda: bool(fatal))
+        await asyncio.sleep(0.1)  # a late report would come now
+        assert reported == []
+        assert "illegal memory access" in fatal[0]
+        assert not executor.has_capacity()
+    finally:
+        executor.close(timeout=10)
+
+
+async def test_a_launch_failing_on_a_broken_context_stops_the_executor() -> None:
+    api = HostCuda()
+    api.broken_reason = "CUDA error: an illegal memory access was encountered"
+    loop = asyncio.get_running_loop()
+    fatal: list[str] = []
+    reported: list[Job] = []
+    executor = CudaExecutor(loop, reported.append, Lane(GPU3, api=api), on_fatal=fatal.append)
+    try:
+        executor.submit(Job([work_item(FailingRewrite(), [1])]))
+        await poll(lambda: bool(fatal))
+        await asyncio.sleep(0.1)
+        assert reported == [] and "illegal memory access" in fatal[0]
+        assert ("kvd-executor", 3, "kvd3") in api.noted("broken")
+    finally:
+        executor.close(timeout=10)
+
+
+async def test_a_launch_failing_on_a_healthy_context_fails_only_its_requests() -> None:
+    """Not sticky (the context still works): the job's requests fail, kvd goes on."""
+    api = HostCuda()
+    loop = asyncio.get_running_loop()
+    fatal: list[str] = []
+    done: asyncio.Future[Job] = loop.create_future()
+    executor = CudaExecutor(loop, done.set_result, Lane(GPU3, api=api), on_fatal=fatal.append)
+    try:
+        executor.submit(Job([work_item(FailingRewrite(), [1])]))
+        job = await asyncio.wait_for(done, 10)
+        assert job.items[0].error and not fatal and executor.has_capacity()
+    finally:
+        executor.close(timeout=10)
+
+
+async def poll(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+def test_a_broken_device_stops_kvd_and_the_next_start_answers(short_tmp: Path) -> None:
+    """End to end, on the CPU: the executor reports the device broken (a test hook stands in
+    for a sticky CUDA error); kvd publishes nothing for the launched request, exits with
+    status 3 so that systemd restarts it, and the next start answers Failed(interrupted)."""
+    cache = ShmCache.create(num_layers=1, num_blocks=8, block_size=8, num_heads=2, head_dim=8)
+    try:
+        hooked = {"KVD_TEST_CRASH_AT": "device_failure"}
+        first = DaemonProcess(runtime_dir=short_tmp, env=hooked).start()
+        with first.client() as client:
+            client.attach("gpu", cache.specs)
+            with EventTap(client, "gpu") as tap:
+                client.read_done("doomed", "gpu", [1, 2], remote_layout="HND", block_size_ratio=1)
+                assert first.wait(timeout=20) == EXIT_DEVICE_FAILED, first.log_tail()
+                assert tap.already_delivered() == []
+        assert "the device failed" in first.log_tail()
+        with DaemonProcess(runtime_dir=short_tmp) as second, second.client() as client:
+            with client.subscribe(["gpu"], from_seq=1) as sub:
+                (delivery,) = collect(sub, 1)
+            assert isinstance(delivery.event, Failed), delivery.event
+            assert delivery.event.code == "interrupted" and delivery.event.req_id == "doomed"
+    finally:
+        cache.close()
+
+
+class Published:
+    """The pipeline's publisher, as a list of what it published."""
+
+    epoch = 1
+
+    def __init__(self) -> None:
+        self.events: list[Ready | Failed] = []
+
+    def publish(self, topic: str, event: Ready | Failed) -> None:
+        self.events.append(event)
+
+
+async def test_ready_with_a_cuda_event_goes_out_at_launch_and_is_journaled_at_completion(
+    short_tmp: Path,
+) -> None:
+    """``ready_cuda_event``: the Ready leaves as soon as the launch is enqueued, carrying the
+    IPC event recorded behind it; the outcome is journaled only once the work completed, so a
+    crash in between is answered Failed(interrupted) by the next start. (The CPU kernel does
+    the work here; the lane's CUDA calls are faked, and the job's completion held back.)"""
+    api = HostCuda()
+    api.hold_completion = threading.Event()
+    shm = ShmCache.create(num_layers=1, num_blocks=8, block_size=8, num_heads=2, head_dim=8)
+    before = [t.clone() for t in shm.tensors]
+    cpu = torch.device("cpu")
+    registry = Registry(cpu)
+    registry.add(open_cache(Attach(cache_id="gpu", tensors=shm.specs), cpu, Owner(b"", "")))
+    journal = Journal(short_tmp, 1 << 20)
+    journal.recover()
+    journal.open()
+    publisher = Published()
+    pipeline = Pipeline(
+        asyncio.get_running_loop(),
+        registry,
+        publisher,  # type: ignore[arg-type]
+        Metrics(),
+        journal,
+        batch_window_us=0,
+        max_batch_blocks=64,
+        max_message_bytes=1 << 20,
+        executor_factory=lambda loop, done: CudaExecutor(
+            loop, done, Lane(GPU3, api=api), ready_events=True
+        ),
+    )
+    pipeline.executor.on_launched = pipeline.job_launched  # type: ignore[attr-defined]
+
+    def notify(req_id: str, blocks: list[int]) -> None:
+        frame = read_done_message(req_id, "gpu", blocks, remote_layout="HND", block_size_ratio=1)
+        pipeline.on_ingest([frame])
+        pipeline.kick()
+
+    try:
+        notify("r1", [1, 2])
+        await poll(lambda: bool(publisher.events))
+        (ready,) = publisher.events
+        assert isinstance(ready, Ready) and ready.req_id == "r1"
+        assert len(ready.cuda_event) == 64
+        assert len(pipeline.ledger) == 1, "announced, but its work is still in flight"
+        assert [launch.req_id for launch in Journal(short_tmp, 1 << 20).recover().interrupted] == [
+            "r1"
+        ], "the outcome was journaled before the work completed"
+        api.hold_completion.set()
+        await poll(lambda: not pipeline.ledger)
+        recovered = Journal(short_tmp, 1 << 20).recover()
+        assert recovered.interrupted == [] and recovered.outcomes[("gpu", "r1")].code == ""
+        assert len(publisher.events) == 1, "a second event for one request"
+        for kv in range(2):
+            for b in (1, 2):
+                want = expected_block(
+                    before[0][kv, b],
+                    kv_parts=1,
+                    block_size=8,
+                    heads=2,
+                    ratio=1,
+                    remote_layout="HND",
+                    local_layout="NHD",
+                )
+                assert same_bytes(shm.tensors[0][kv, b], want)
+        # The event's recording completed: the pool hands it out again.
+        notify("r2", [3])
+        await poll(lambda: len(publisher.events) == 2 and not pipeline.ledger)
+        assert publisher.events[1].cuda_event == ready.cuda_event  # type: ignore[union-attr]
+    finally:
+        api.hold_completion.set()
+        pipeline.close(timeout=10)
+        journal.close()
+        registry.remove("gpu")
+        shm.close()
+
+
+def test_ready_cuda_event_needs_a_cuda_device(short_tmp: Path) -> None:
+    daemon = DaemonProcess("--ready-cuda-event", "true", runtime_dir=short_tmp)
+    daemon.spawn()
+    assert daemon.wait(timeout=60) == 2
+    assert "ready_cuda_event: CUDA events need a daemon on a CUDA device" in daemon.log_tail()
+
+
+def test_wait_event_opens_each_handle_once_and_waits_on_the_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    opened: list[tuple[object, bytes]] = []
+
+    class Stream:
+        device_index = 0
+        device = torch.device("cuda", 0)
+
+        def __init__(self) -> None:
+            self.waited: list[object] = []
+
+        def wait_event(self, event: object) -> None:
+            self.waited.append(event)
+
+    def from_ipc_handle(device: object, handle: bytes) -> tuple[str, bytes]:
+        opened.append((device, handle))
+        return ("event", handle)
+
+    monkeypatch.setattr(torch.cuda.Event, "from_ipc_handle", from_ipc_handle)
+    cudaipc.forget_events()
+    stream = Stream()
+    one, two = bytes(64), bytes(range(64))
+    for handle in (one, two, one):
+        cudaipc.wait_event(handle, stream)  # type: ignore[arg-type]
+    assert opened == [(Stream.device, one), (Stream.device, two)]
+    assert stream.waited == [("event", one), ("event", two), ("event", one)]
+    with pytest.raises(CudaIpcError, match="64-byte"):
+        cudaipc.wait_event(b"short", stream)  # type: ignore[arg-type]
+    cudaipc.forget_events()
 
 
 def test_warm_up_sets_the_device_of_the_attach_thread(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -218,11 +453,16 @@ CASES = [
 ]
 
 
+# Every case in bf16 on both paths, the other dtypes on the in-place path (each distinct tile
+# shape costs a compilation of about a second: the device check has minutes).
+KERNEL_PARAMS = [(case, "bfloat16", two_pass) for case in CASES for two_pass in (False, True)] + [
+    (case, dtype, False) for case in CASES[:5] for dtype in ("float8_e4m3fn", "float32")
+]
+
+
 @pytest.mark.cuda
 @gpu
-@pytest.mark.parametrize("two_pass", [False, True])
-@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "float32"])
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize(("case", "dtype", "two_pass"), KERNEL_PARAMS)
 def test_triton_kernel_matches_reference(case, dtype, two_pass, monkeypatch) -> None:
     from kvd.kernels import gpu
 
@@ -236,8 +476,8 @@ def test_triton_kernel_matches_reference(case, dtype, two_pass, monkeypatch) -> 
             dtype=dtype,
             block_size=block_size,
             num_blocks=40,
-            heads=rng.randint(1, 8),
-            head_dim=rng.choice([16, 64, 128]),
+            heads=rng.choice([1, 3, 8]),
+            head_dim=rng.choice([64, 128]),
             seed=rng.randrange(99),
             device="cuda",
         )
@@ -252,6 +492,24 @@ def test_triton_kernel_matches_reference(case, dtype, two_pass, monkeypatch) -> 
         cache.postprocess("kernel").apply(requests, remote, nP)
         torch.cuda.synchronize()
         check_cache(cache, requests, remote, nP)
+
+
+@pytest.mark.cuda
+@gpu
+def test_the_kernels_compile_without_spills() -> None:
+    """The benchmark's geometry (128 KiB pages) in place, and the two-pass path."""
+    from kvd.kernels import gpu
+
+    cache = make_cache(
+        "NHD", dtype="bfloat16", block_size=64, num_blocks=8, heads=8, head_dim=128, device="cuda"
+    )
+    cache.postprocess("kernel").apply([([1, 5, 2], 0)], "HND", 64)
+    cache.postprocess("kernel").apply([([3, 4], 0)], "NHD", 16)
+    torch.cuda.synchronize()
+    stats = gpu.kernel_stats()
+    print("kernel stats:", stats)
+    assert stats and all(s["spills"] == 0 for s in stats.values()), stats
+    assert any(name.startswith("in_place") for name in stats), stats
 
 
 @pytest.fixture(scope="module")
@@ -316,6 +574,48 @@ def test_cuda_ipc_attach_and_post_process(gpu_daemon: DaemonProcess) -> None:
                 assert same_bytes(now[kv, 0], was[kv, 0]), "an unlisted block changed"
         c.detach("gpu0")
         sub.close()
+
+
+@pytest.mark.cuda
+@gpu
+def test_ready_with_a_cuda_event_on_a_gpu(short_tmp: Path) -> None:
+    """``ready_cuda_event``: the engine's stream waits on the event from the Ready, then reads
+    the blocks, rewritten (kvd's handle opened in this, another, process)."""
+    block_size, heads, head_dim = 16, 8, 128
+    host = random_bytes([2, 64, block_size, heads, head_dim], torch.bfloat16, 7)
+    tensor = host.cuda()
+    torch.cuda.synchronize()
+    args = ("--device", "cuda:0", "--ready-cuda-event", "true")
+    with DaemonProcess(*args, runtime_dir=short_tmp) as d, Client(d.runtime_dir) as c:
+        c.attach("gpu0", cuda_specs([tensor], "NHD", block_size))
+        sub = c.subscribe(["gpu0"])
+        ids = [5, 1, 9, 30]
+        c.read_done("e1", "gpu0", ids, remote_layout="HND", block_size_ratio=1)
+        (delivery,) = collect(sub, 1)
+        ready = delivery.event
+        assert isinstance(ready, Ready) and len(ready.cuda_event) == 64
+        stream = torch.cuda.Stream()
+        cudaipc.wait_event(ready.cuda_event, stream)
+        with torch.cuda.stream(stream):
+            now = tensor.clone()
+        stream.synchronize()
+        now = now.cpu()
+        for kv in range(2):
+            for b in ids:
+                want = expected_block(
+                    host[kv, b],
+                    kv_parts=1,
+                    block_size=block_size,
+                    heads=heads,
+                    ratio=1,
+                    remote_layout="HND",
+                    local_layout="NHD",
+                )
+                assert same_bytes(now[kv, b], want)
+        wait_for(lambda: c.status().in_flight == 0)
+        c.detach("gpu0")
+        sub.close()
+        cudaipc.forget_events()
 
 
 @pytest.mark.cuda
