@@ -77,10 +77,9 @@ def _permute_units(
     WORD: tl.constexpr,
     WIDTH: tl.constexpr,  # bytes per word
 ):
-    slices: tl.constexpr = UNIT // SLICE
     pid = tl.program_id(0).to(tl.int64)
-    col = (pid % slices) * (SLICE * WIDTH)
-    rest = pid // slices
+    col = (pid % (UNIT // SLICE)) * (SLICE * WIDTH)
+    rest = pid // (UNIT // SLICE)
     g = rest % groups
     r = rest // groups
     base = tl.load(bases_ptr + r)
