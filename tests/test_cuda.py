@@ -422,6 +422,29 @@ def test_block_ids_travel_through_a_reused_pinned_ring() -> None:
         pass
 
 
+def test_a_slot_held_by_one_thread_is_not_handed_to_another() -> None:
+    """An attach worker's warm-up launch may take seconds (it compiles) while the executor
+    keeps launching: the ring must go around it."""
+    lane = Lane(GPU3, api=HostCuda())
+    lane.ids = IdRing(lane, slots=3, slot_ids=4)
+    held, release = threading.Event(), threading.Event()
+
+    def warm_up() -> None:
+        with lane.launching(), lane.ids.slot(np.array([7, 7], dtype=np.int32)) as ids:
+            held.set()
+            assert release.wait(10)
+            assert ids.tolist() == [7, 7], "overwritten while its launch still read it"
+
+    worker = threading.Thread(target=warm_up)
+    worker.start()
+    assert held.wait(10)
+    for n in range(7):
+        with lane.launching(), lane.ids.slot(np.array([n], dtype=np.int32)) as ids:
+            assert ids.tolist() == [n]
+    release.set()
+    worker.join()
+
+
 def test_the_benchmark_page_is_rewritten_in_place_in_tiles_that_fit_registers() -> None:
     """64 tokens x 8 heads x 128 head_dim bf16: a 128 KiB page, one pass, no scratch."""
     from kvd.kernels import gpu

@@ -250,8 +250,10 @@ class CudaExecutor(Executor):
                 self._fail(f"recording the completion event failed: {exc}")
                 continue
             if waiting.ready is not None:
-                # Posted before the waiter can see the job: the loop hears "launched" first.
-                self._loop.call_soon_threadsafe(self._launched, job)
+                try:  # posted before the waiter can see the job: the loop hears it first
+                    self._loop.call_soon_threadsafe(self._launched, job)
+                except RuntimeError:
+                    return  # the loop is closed: kvd is exiting
             self._waiting.put(waiting)
 
     def _launch(self, job: Job) -> _Waiting:
@@ -304,7 +306,10 @@ class CudaExecutor(Executor):
             if entry.ready is not None:
                 self._ipc_events.put(entry.ready)  # its recording is complete: reusable
             entry.job.finished_ns = time.monotonic_ns()
-            self._loop.call_soon_threadsafe(self._finish, entry.job)
+            try:
+                self._loop.call_soon_threadsafe(self._finish, entry.job)
+            except RuntimeError:
+                return  # the loop is closed: a forced exit left this job to the journal
 
 
 @dataclass(slots=True, eq=False)

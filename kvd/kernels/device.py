@@ -133,8 +133,9 @@ class IdRing:
     """Block ids on their way to the GPU: ``RING_SLOTS`` pinned host slots, each mirrored in
     device memory. A slot is written, copied to the device and read by launches on the lane's
     stream; an event recorded after those launches must complete before the slot is written
-    again, so a slot is never overwritten while a copy or a launch still reads it. Nothing is
-    allocated per launch. Use under ``Lane.launching()``."""
+    again, so a slot is never overwritten while a copy or a launch still reads it. A slot taken
+    by one thread (whose launch may be compiling for seconds) is not handed to another before
+    its event is recorded. Nothing is allocated per launch. Use under ``Lane.launching()``."""
 
     def __init__(self, lane: Lane, slots: int = RING_SLOTS, slot_ids: int = RING_SLOT_IDS) -> None:
         self.lane = lane
@@ -144,7 +145,9 @@ class IdRing:
         self._host_tensor: torch.Tensor | None = None
         self._device: torch.Tensor | None = None
         self._events: list[CudaEvent | None] = [None] * slots
+        self._busy = [False] * slots
         self._next = 0
+        self._free = threading.Condition()
 
     def _allocate(self) -> None:
         api, n = self.lane.api, self.slots * self.slot_ids * 4
@@ -153,34 +156,54 @@ class IdRing:
         self._device = api.empty(n, self.lane.device).view(torch.int32)
         self._device = self._device.view(self.slots, self.slot_ids)
 
+    def _take(self) -> int:
+        with self._free:
+            if self._device is None:
+                self._allocate()
+            while all(self._busy):
+                self._free.wait()
+            slot = self._next
+            while self._busy[slot]:
+                slot = (slot + 1) % self.slots
+            self._next = (slot + 1) % self.slots
+            self._busy[slot] = True
+            return slot
+
+    def _give_back(self, slot: int) -> None:
+        with self._free:
+            self._busy[slot] = False
+            self._free.notify()
+
     @contextlib.contextmanager
     def slot(self, ids: npt.NDArray[np.int32]) -> Iterator[torch.Tensor]:
         """``ids`` on the device, for the launches of the ``with`` block."""
         if len(ids) > self.slot_ids:
             raise ValueError(f"{len(ids)} block ids do not fit a slot of {self.slot_ids}")
-        if self._device is None:
-            self._allocate()
-        assert self._host is not None and self._host_tensor is not None
-        assert self._device is not None
-        n, slot = len(ids), self._next
-        self._next = (slot + 1) % self.slots
-        event = self._events[slot]
-        if event is not None:
-            event.synchronize()  # normally long done: the ring holds several launches
-        self._host[slot, :n] = ids
-        on_device = self._device[slot, :n]
-        self.lane.api.copy_async(on_device, self._host_tensor[slot, :n])
+        slot = self._take()
         try:
-            yield on_device
+            assert self._host is not None and self._host_tensor is not None
+            assert self._device is not None
+            event = self._events[slot]
+            if event is not None:
+                event.synchronize()  # normally long done: the ring holds several launches
+            n = len(ids)
+            self._host[slot, :n] = ids
+            on_device = self._device[slot, :n]
+            self.lane.api.copy_async(on_device, self._host_tensor[slot, :n])
+            try:
+                yield on_device
+            finally:  # behind the copy and whatever was launched, even if a launch raised
+                if event is None:
+                    event = self._events[slot] = self.lane.api.new_event()
+                event.record(self.lane.stream)
         finally:
-            if event is None:
-                event = self._events[slot] = self.lane.api.new_event()
-            event.record(self.lane.stream)
+            self._give_back(slot)
 
 
 class Lane:
     """kvd's dedicated stream on one device, and what launches on it share: the id ring and
-    the two-pass scratch. One thread enqueues at a time (``launching`` holds a lock)."""
+    the two-pass scratch. Several threads may enqueue (the executor; an attach worker warming
+    up): the stream orders their work, and the ring never hands one slot to two of them."""
 
     def __init__(self, device: torch.device, priority: int = 0, api: CudaApi | None = None) -> None:
         self.device = device
@@ -188,19 +211,17 @@ class Lane:
         self.api: CudaApi = api if api is not None else TorchCuda()
         self.stream = self.api.new_stream(device, priority)
         self.ids = IdRing(self)
-        self._lock = threading.Lock()
         self._scratch: torch.Tensor | None = None
         self._entered = threading.local()
 
     @contextlib.contextmanager
     def launching(self) -> Iterator[None]:
-        """The lane's device and stream current on this thread, and the lane's to enqueue on."""
-        with self._lock:
-            if getattr(self._entered, "yes", False):
-                yield  # the executor's thread: current already, skip the context's cost
-                return
-            with self.api.use(self.device, self.stream):
-                yield
+        """The lane's device and stream current on this thread, for enqueuing on the lane."""
+        if getattr(self._entered, "yes", False):
+            yield  # the executor's thread: current already, skip the context's cost
+            return
+        with self.api.use(self.device, self.stream):
+            yield
 
     def enter(self) -> None:
         """Make the lane's device and stream current for the rest of the calling thread's life
@@ -215,12 +236,13 @@ class Lane:
         return self.api.upload(host, self.device)
 
     def scratch(self, nbytes: int) -> torch.Tensor:
-        """At least ``nbytes`` of device memory, kept and reused (under ``launching``: work on
-        the one stream is ordered, so the next user starts after the last one finished)."""
-        if self._scratch is None or self._scratch.numel() < nbytes:
-            self._scratch = None
-            self._scratch = self.api.empty(nbytes, self.device)
-        return self._scratch
+        """At least ``nbytes`` of device memory, kept and reused (under ``launching``): work on
+        the one stream is ordered, so each user starts after the last one finished, and memory
+        replaced by a larger buffer is reused by the allocator only in that order too."""
+        scratch = self._scratch
+        if scratch is None or scratch.numel() < nbytes:
+            scratch = self._scratch = self.api.empty(nbytes, self.device)
+        return scratch
 
     def synchronize(self) -> None:
         self.api.synchronize(self.device)

@@ -281,7 +281,7 @@ class CachePostProcess:
                 self._run(launch, groups)
 
     def _launching(self) -> contextlib.AbstractContextManager[None]:
-        """Around every kernel call: on CUDA, the lane's device and stream, and its lock."""
+        """Around every kernel call: on CUDA, the lane's device and stream."""
         if self.backend != "triton":
             return contextlib.nullcontext()
         return self.lane.launching()
