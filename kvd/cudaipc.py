@@ -9,17 +9,26 @@ PyTorch's caching allocator hands out such handles through ``UntypedStorage._sha
 ``cudaMallocAsync`` or from vLLM's sleep-mode allocator is virtual memory that
 ``cudaIpcGetMemHandle`` cannot export: ``export_tensor`` refuses it with an explanation, and kvd
 answers an Attach carrying anything but a 64-byte handle with ``invalid_cache``.
+
+With kvd's ``ready_cuda_event`` setting, a ``Ready`` carries the handle of an interprocess CUDA
+event instead of waiting for the GPU: ``wait_event`` makes the engine's stream wait for it.
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import functools
+import logging
+import queue
+import threading
 from typing import Any
 
 import torch
 
 from kvd.protocol import CudaIpcRef
+
+log = logging.getLogger(__name__)
 
 HANDLE_BYTES = 64
 _LAZY_ENABLE_PEER_ACCESS = 1
@@ -82,6 +91,45 @@ def check_handle(ref: CudaIpcRef, where: str) -> str | None:
     return f"{where}.memory.handle: must be a 64-byte cudaIpcMemHandle_t, got {len(handle)} bytes"
 
 
+EVENTS_CACHED = 256
+"""Opened kvd events kept per engine process (kvd reuses a small pool of them)."""
+_events: collections.OrderedDict[tuple[int, bytes], torch.cuda.Event] = collections.OrderedDict()
+_events_lock = threading.Lock()
+
+
+def wait_event(handle: bytes, stream: torch.cuda.Stream | None = None) -> None:
+    """Make ``stream`` (default: the current stream) wait, on the GPU, for the post-process a
+    kvd ``Ready`` with ``cuda_event`` announced (engine side; ``cudaStreamWaitEvent``).
+
+    Returns at once; work enqueued on ``stream`` afterwards runs once kvd's kernels are done.
+    ``stream`` must be on the GPU kvd serves (the one the blocks are on). Each handle is opened
+    once (``cudaIpcOpenEventHandle``) and kept: kvd reuses a small pool of events. Call
+    ``forget_events`` when kvd restarts (a new ``epoch``): the old handles are dead.
+    """
+    if len(handle) != HANDLE_BYTES:
+        raise CudaIpcError(
+            f"cuda_event: a 64-byte cudaIpcEventHandle_t is needed, got {len(handle)}"
+        )
+    stream = stream if stream is not None else torch.cuda.current_stream()
+    key = (stream.device_index, bytes(handle))
+    with _events_lock:
+        event = _events.get(key)
+        if event is None:
+            event = torch.cuda.Event.from_ipc_handle(stream.device, handle)  # type: ignore[no-untyped-call]
+            _events[key] = event
+            while len(_events) > EVENTS_CACHED:
+                _events.popitem(last=False)
+        else:
+            _events.move_to_end(key)
+    stream.wait_event(event)
+
+
+def forget_events() -> None:
+    """Drop the kvd events ``wait_event`` opened (after kvd restarted)."""
+    with _events_lock:
+        _events.clear()
+
+
 class _IpcHandle(ctypes.Structure):
     _fields_ = [("reserved", ctypes.c_byte * HANDLE_BYTES)]
 
@@ -102,6 +150,9 @@ def _runtime() -> Any:
     lib.cudaGetErrorString.argtypes = [ctypes.c_int]
     lib.cudaGetErrorString.restype = ctypes.c_char_p
     lib.cudaGetLastError.restype = ctypes.c_int
+    lib.cudaSetDevice.argtypes = [ctypes.c_int]
+    lib.cudaSetDevice.restype = ctypes.c_int
+    lib.cudaDeviceSynchronize.restype = ctypes.c_int
     return lib
 
 
@@ -109,7 +160,10 @@ def _runtime() -> Any:
 def _driver() -> Any:
     with open("/proc/self/maps") as maps:
         paths = {line.split()[-1] for line in maps if "/libcuda.so" in line}
-    lib = ctypes.CDLL(sorted(paths)[0] if paths else "libcuda.so.1")
+    try:
+        lib = ctypes.CDLL(sorted(paths)[0] if paths else "libcuda.so.1")
+    except OSError as exc:
+        raise CudaIpcError(f"cannot load the CUDA driver library (libcuda): {exc}") from exc
     lib.cuMemGetAddressRange_v2.argtypes = [
         ctypes.POINTER(ctypes.c_uint64),
         ctypes.POINTER(ctypes.c_size_t),
@@ -120,34 +174,41 @@ def _driver() -> Any:
 
 
 class IpcMapping:
-    """One opened allocation; closed when the last tensor viewing it is gone."""
+    """One opened allocation (kvd's side); closed when the last tensor viewing it is gone.
+
+    Opening sets the calling thread's current device to ``device``. The allocation's extent is
+    asked of the driver, and a mapping whose extent is unknown is refused: kvd writes through
+    it, so a bound it cannot check is a bound it must not assume. Closing waits until kvd's work
+    on the device is done, on a thread of its own (``_Closer``), whichever thread drops the last
+    reference: the event loop must never wait on the GPU.
+    """
 
     def __init__(self, ref: CudaIpcRef, device: torch.device) -> None:
         lib = _runtime()
+        index = _index(device)
         handle = _IpcHandle.from_buffer_copy(ref.handle)
         ptr = ctypes.c_void_p()
-        with torch.cuda.device(device):
-            err = lib.cudaIpcOpenMemHandle(ctypes.byref(ptr), handle, _LAZY_ENABLE_PEER_ACCESS)
+        _check(lib, lib.cudaSetDevice(index), "cudaSetDevice")
+        err = lib.cudaIpcOpenMemHandle(ctypes.byref(ptr), handle, _LAZY_ENABLE_PEER_ACCESS)
         if err:
             lib.cudaGetLastError()  # clear it, or torch reports it later in an unrelated call
             raise CudaIpcError(
                 f"cudaIpcOpenMemHandle failed: {lib.cudaGetErrorString(err).decode()} ({err}); "
                 "the exporting process must be alive and on the same GPU"
             )
-        self.ptr = int(ptr.value or 0)
+        address = int(ptr.value or 0)
+        try:
+            self.nbytes = _extent(address)
+        except CudaIpcError:
+            lib.cudaIpcCloseMemHandle(ctypes.c_void_p(address))  # nothing of kvd's used it yet
+            raise
+        self.ptr = address
         self.device = device
         self._lib = lib
-        base, size = ctypes.c_uint64(), ctypes.c_size_t()
-        with torch.cuda.device(device):
-            err = _driver().cuMemGetAddressRange_v2(
-                ctypes.byref(base), ctypes.byref(size), self.ptr
-            )
-        # The mapping starts at the allocation's base; what is past its end is not the engine's.
-        self.nbytes = int(size.value) if err == 0 else 0
 
     def tensor(self, offset: int, nbytes: int) -> torch.Tensor:
         """A uint8 tensor over ``nbytes`` from ``offset``; it keeps this mapping open."""
-        if self.nbytes and offset + nbytes > self.nbytes:
+        if offset + nbytes > self.nbytes:
             raise CudaIpcError(
                 f"the allocation holds {self.nbytes} bytes, the tensor needs bytes "
                 f"{offset}..{offset + nbytes}"
@@ -160,9 +221,78 @@ class IpcMapping:
 
     def __del__(self) -> None:
         if getattr(self, "ptr", 0):
-            torch.cuda.synchronize(self.device)  # nothing of ours may still use it
-            self._lib.cudaIpcCloseMemHandle(ctypes.c_void_p(self.ptr))
+            _closer.close_later(self._lib, self.ptr, _index(self.device))
             self.ptr = 0
+
+
+def _index(device: torch.device) -> int:
+    if device.type != "cuda" or device.index is None:
+        raise CudaIpcError(f"a CUDA device with an index is needed, got {device}")
+    return device.index
+
+
+def _check(lib: Any, err: int, call: str) -> None:
+    if err:
+        raise CudaIpcError(f"{call} failed: {lib.cudaGetErrorString(err).decode()} ({err})")
+
+
+def _extent(address: int) -> int:
+    """Bytes from ``address`` (where an IPC mapping starts) to the end of its allocation."""
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    err = _driver().cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), address)
+    end = int(base.value) + int(size.value)
+    if err or not base.value <= address < end:
+        raise CudaIpcError(
+            f"cuMemGetAddressRange failed ({err}) for the opened handle: the size of the "
+            "engine's allocation is unknown, so the tensors' bounds in it cannot be checked"
+        )
+    return end - address
+
+
+class _Closer:
+    """Closes IPC mappings on a thread of its own, each once kvd's work on its device is done.
+
+    ``close_later`` never blocks (it may run on the event loop, in a finaliser). The thread
+    sets its current device, waits for the device (``cudaDeviceSynchronize``: every stream of
+    kvd's, so no launch can still use the mapping), then closes the handle.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[Any, int, int]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def close_later(self, lib: Any, ptr: int, index: int) -> None:
+        self._queue.put((lib, ptr, index))
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(
+                        target=self._run, name="kvd-cuda-ipc-close", daemon=True
+                    )
+                    self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            lib, ptr, index = self._queue.get()
+            # All three calls are made whatever the others return: a handle is closed even
+            # when the device reports an error (its context may be gone).
+            for call, err in (
+                ("cudaSetDevice", lib.cudaSetDevice(index)),
+                ("cudaDeviceSynchronize", lib.cudaDeviceSynchronize()),
+                ("cudaIpcCloseMemHandle", lib.cudaIpcCloseMemHandle(ctypes.c_void_p(ptr))),
+            ):
+                if err:
+                    log.error(
+                        "closing the CUDA IPC mapping at %#x: %s failed: %s (%d)",
+                        ptr,
+                        call,
+                        lib.cudaGetErrorString(err).decode(),
+                        err,
+                    )
+
+
+_closer = _Closer()
 
 
 class _ArrayInterface:

@@ -342,7 +342,14 @@ IngestMessage = ReadDone | ReadFailed
 
 
 class Ready(_Message, tag="ready"):
-    """The request's blocks hold the local layout; the first decode step may read them."""
+    """The request's blocks hold the local layout; the first decode step may read them.
+
+    With ``cuda_event`` (kvd's ``ready_cuda_event`` setting, CUDA only) the blocks hold it once
+    that event has completed on the GPU: the 64-byte ``cudaIpcEventHandle_t`` of an event kvd
+    recorded on its stream after the post-process. The engine makes the stream that reads the
+    blocks wait on it (``cudaStreamWaitEvent``; ``kvd.cudaipc.wait_event``) instead of waiting
+    for kvd on the host. See protocol/README.md for when that is safe.
+    """
 
     req_id: str
     cache_id: str
@@ -351,6 +358,7 @@ class Ready(_Message, tag="ready"):
     elapsed_us: int = 0
     generation: int = 0
     epoch: int = 0
+    cuda_event: bytes = b""
 
 
 class Failed(_Message, tag="failed"):

@@ -165,6 +165,17 @@ def golden_messages() -> dict[str, tuple[str, Any]]:
                 elapsed_us=180,
             ),
         ),
+        "ready_cuda_event": (
+            "event",
+            p.Ready(
+                req_id="req-2",
+                cache_id="engine0",
+                physical_block_ids=[9],
+                elapsed_us=35,
+                epoch=7,
+                cuda_event=bytes(range(64)),
+            ),
+        ),
         "failed": (
             "event",
             p.Failed(

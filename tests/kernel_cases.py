@@ -11,6 +11,7 @@ import torch
 
 from kvd.dtypes import ITEMSIZE, torch_dtype
 from kvd.kernels import CachePostProcess, RegionView, region_views
+from kvd.kernels.device import Lane
 from kvd.layout.formats import (
     PageSizes,
     has_heads,
@@ -35,9 +36,9 @@ class Cache:
     def regions(self) -> list[RegionView]:
         return [v for t in self.tensors for v in region_views(t, self.geometry)]
 
-    def postprocess(self, backend: str = "auto") -> CachePostProcess:
+    def postprocess(self, backend: str = "auto", lane: Lane | None = None) -> CachePostProcess:
         device = self.tensors[0].device
-        return CachePostProcess(self.regions(), device, backend)  # type: ignore[arg-type]
+        return CachePostProcess(self.regions(), device, backend, lane)  # type: ignore[arg-type]
 
 
 def make_cache(

@@ -3,7 +3,8 @@
 Run by tests/test_kernels.py in a subprocess with TRITON_INTERPRET=1: the variable must be set
 before the kernels are defined, and must not leak into tests that use a real GPU. The
 interpreter stands in for a device: each case's ``CachePostProcess`` is switched to the Triton
-backend on CPU memory.
+backend on CPU memory, launching through a ``Lane`` whose CUDA calls are ``HostCuda``'s (the
+block-id ring, region tables and scratch as in service, in host memory).
 Prints one line per case and exits non-zero on the first mismatch.
 """
 
@@ -15,8 +16,15 @@ import sys
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
-from kvd.kernels import gpu  # noqa: E402
+import torch  # noqa: E402
+
+from kvd.kernels import device, gpu  # noqa: E402
+from tests.fake_cuda import HostCuda  # noqa: E402
 from tests.kernel_cases import check_cache, make_cache  # noqa: E402
+
+# A small ring, so that long requests wrap around it and are split across launches.
+LANE = device.Lane(torch.device("cpu"), api=HostCuda())
+LANE.ids = device.IdRing(LANE, slots=3, slot_ids=4)
 
 CASES = [
     # (remote, local, local block size, remote block size, dtype)
@@ -38,29 +46,49 @@ CASES = [
 ]
 
 
-def check(n: int, case: tuple[str, str, int, int, str], *, two_pass: bool) -> str:
+# The benchmark's page: 64 tokens x 8 heads x 128 head_dim bf16 (128 KiB, 512 head vectors).
+BENCH_PAGE = ("HND", "NHD", 64, 64, "bfloat16")
+
+
+def check(
+    n: int,
+    case: tuple[str, str, int, int, str],
+    *,
+    two_pass: bool,
+    partial: bool,
+    heads: int = 3,
+    head_dim: int = 4,
+) -> str:
     remote, local, nD, nP, dtype = case
     rng = random.Random(n)
-    cache = make_cache(local, dtype=dtype, block_size=nD, num_blocks=12, seed=n)
+    cache = make_cache(
+        local, dtype=dtype, block_size=nD, num_blocks=12, seed=n, heads=heads, head_dim=head_dim
+    )
     pages_per_group = max(1, nP // nD)
     remote_pages = max(1, nD // nP)
     ids = rng.sample(range(12), 2 * pages_per_group)
-    covered = 0
-    if remote_pages > 1 and n % 2:
-        covered = remote_pages + 1  # the second page partly covered
+    covered = remote_pages + 1 if partial else 0  # the second page partly covered
     requests = [(ids, covered)]
     name = (
         f"{remote}->{local} {nP}->{nD} {dtype} pages={pages_per_group} covered={covered} "
         f"two_pass={two_pass}"
     )
-    saved = gpu.MAX_TILE_BYTES
-    gpu.MAX_TILE_BYTES = 0 if two_pass else saved
-    post = cache.postprocess()
+    saved = gpu.TILE_BYTES
+    gpu.TILE_BYTES = 0 if two_pass else saved
+    post = cache.postprocess(lane=LANE)
     post.backend = "triton"  # the interpreter runs Triton on CPU memory
     try:
         post.apply(requests, remote, nP)
     finally:
-        gpu.MAX_TILE_BYTES = saved
+        gpu.TILE_BYTES = saved
+    paths = {
+        launch.prepared.in_place
+        for launches in post._launches.values()
+        for launch in launches
+        if launch.prepared is not None
+    }
+    if paths - {not two_pass}:  # none when the pair needs no kernel (only zeroes)
+        raise SystemExit(f"{name}: ran in_place={paths}, expected {not two_pass}")
     try:
         check_cache(cache, requests, remote, nP)
     except AssertionError as exc:
@@ -69,7 +97,12 @@ def check(n: int, case: tuple[str, str, int, int, str], *, two_pass: bool) -> st
 
 
 if __name__ == "__main__":
-    for n, case in enumerate(CASES):
+    n = 0
+    for case in CASES:
+        partials = (False, True) if case[2] > case[3] else (False,)
         for two_pass in (False, True):
-            print(check(2 * n + two_pass, case, two_pass=two_pass), flush=True)
+            for partial in partials:
+                print(check(n, case, two_pass=two_pass, partial=partial), flush=True)
+                n += 1
+    print(check(n, BENCH_PAGE, two_pass=False, partial=False, heads=8, head_dim=128), flush=True)
     sys.exit(0)

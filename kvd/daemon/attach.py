@@ -12,6 +12,7 @@ from kvd.daemon.memory import AttachError, Opener, populate
 from kvd.daemon.registry import AttachedCache, AttachedTensor, Owner
 from kvd.dtypes import torch_dtype
 from kvd.kernels import CachePostProcess, region_views
+from kvd.kernels.device import lane_for
 from kvd.layout.formats import FormatError, has_heads, legacy_remote_format
 from kvd.layout.geometry import GeometryError, cache_geometry
 from kvd.protocol import Attach, PageFormat, Reason
@@ -19,6 +20,8 @@ from kvd.protocol import Attach, PageFormat, Reason
 
 def open_cache(request: Attach, device: torch.device, owner: Owner) -> AttachedCache:
     """Check and open an Attach's tensors (blocking: call from a worker thread)."""
+    if device.type == "cuda":
+        lane_for(device).api.set_device(device)  # a worker thread starts on device 0
     try:
         geometries = cache_geometry(request.tensors)
     except (GeometryError, FormatError) as exc:
@@ -70,8 +73,11 @@ def warm_up(cache: AttachedCache) -> None:
     """Compile the CUDA kernels for this cache's formats now, not on its first request.
 
     Runs each kernel on scratch pages, never on the engine's memory: for a remote page in the
-    other head/token order, at the local block size and half of it.
+    other head/token order, at the local block size and half of it. Sets the calling thread's
+    device; the launches go to kvd's stream (``CachePostProcess`` makes it current).
     """
+    lane = lane_for(cache.device)
+    lane.api.set_device(cache.device)
     for local, postprocess in cache.postprocesses.items():
         if not has_heads(local):
             continue
@@ -79,7 +85,7 @@ def warm_up(cache: AttachedCache) -> None:
             if cache.block_size % ratio == 0:
                 remote = legacy_remote_format(local, "HND")
                 postprocess.warm_up(remote, cache.block_size // ratio)
-    torch.cuda.synchronize(cache.device)
+    lane.synchronize()
 
 
 def _postprocesses(

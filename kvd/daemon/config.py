@@ -67,6 +67,15 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             "priority_range() gives the device's range). Orders work inside kvd only."
         ),
     ] = 0
+    ready_cuda_event: Annotated[
+        bool,
+        _doc(
+            "CUDA only: publish Ready as soon as a post-process is enqueued on the GPU, with an "
+            "interprocess CUDA event the engine's stream waits on (Ready.cuda_event), instead of "
+            "after kvd saw it complete. Off: see README.md, 'The post-process on CPU and GPU', "
+            "for when it is safe."
+        ),
+    ] = False
     batch_window_us: Annotated[
         int,
         msgspec.Meta(

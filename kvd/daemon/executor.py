@@ -5,23 +5,29 @@ back through ``loop.call_soon_threadsafe``; it never waits on compute or on the 
 only touches the tensors a job names. A job's outcome is reported only after its work has
 completed: on the CPU when the kernel returns, on CUDA when the event recorded after its
 launches on the dedicated stream has completed.
+
+When the device itself fails (a sticky CUDA error: an illegal address, a kernel fault), every
+later CUDA call fails too and what the jobs in flight wrote is unknown. The executor then
+reports no job it has not seen complete, takes no more work, and calls ``on_fatal`` once: the
+daemon exits, and its next start answers the launched requests from the journal.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import queue
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from kvd.daemon.batcher import Batch
 from kvd.daemon.registry import Rewrite
 from kvd.kernels import MemoryFault
+from kvd.kernels.device import CudaEvent, DeviceFailed, Lane
 from kvd.layout.formats import FormatError
 from kvd.layout.planner import PlanError
 from kvd.protocol import Reason
@@ -48,6 +54,12 @@ class WorkItem:
     """``invalid_format`` when the kernels refused the pair before writing a byte."""
     lost: str | None = None
     """Set when the cache's memory faulted (a segment shrank): no later request may touch it."""
+    crashed: bool = False
+    """The transform raised something unexpected (on CUDA: maybe the device's error)."""
+    cuda_event: bytes = b""
+    """With ``ready_events``: the IPC handle of the event recorded behind the launches."""
+    announced: bool = False
+    """Set by the pipeline once the item's Ready went out, before its work completed."""
 
     @property
     def num_blocks(self) -> int:
@@ -63,6 +75,8 @@ def run_item(item: WorkItem) -> None:
     for n, rewrite in enumerate(item.rewrites):
         try:
             rewrite.apply(item.requests)
+        except DeviceFailed:
+            raise  # not this item's failure: the executor's
         except MemoryFault as exc:
             item.error = item.lost = f"memory fault while rewriting: {exc}"
             log.error("post-process of %d blocks: %s", item.num_blocks, exc)
@@ -74,6 +88,7 @@ def run_item(item: WorkItem) -> None:
         except Exception as exc:
             log.exception("post-process of %d blocks failed", item.num_blocks)
             item.error = f"{type(exc).__name__}: {exc}"
+            item.crashed = True
         if item.error is not None:
             return
 
@@ -87,16 +102,31 @@ class Job:
 
 
 DoneCallback = Callable[[Job], None]
+FatalCallback = Callable[[str], None]
 
 
 class Executor:
-    """One worker thread; ``capacity`` jobs may be outstanding before the daemon holds batches."""
+    """One worker thread; ``capacity`` jobs may be outstanding before the daemon holds batches.
+
+    ``on_fatal(reason)`` is called on the loop, once, when the device failed (see above).
+    """
 
     capacity = 1
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, on_done: DoneCallback) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        on_done: DoneCallback,
+        on_fatal: FatalCallback | None = None,
+    ) -> None:
         self._loop = loop
         self._on_done = on_done
+        self._on_fatal = on_fatal
+        self.failed: str | None = None
+        """Why the device failed; from then on no job runs or is reported."""
+        # Fault injection for the tests: the first job finds the device broken. Never set in
+        # service.
+        self._fail_first = os.environ.get("KVD_TEST_CRASH_AT") == "device_failure"
         self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._outstanding = 0
         self._thread = threading.Thread(target=self._run, name="kvd-executor", daemon=True)
@@ -107,7 +137,7 @@ class Executor:
         return self._outstanding
 
     def has_capacity(self) -> bool:
-        return self._outstanding < self.capacity
+        return self.failed is None and self._outstanding < self.capacity
 
     def submit(self, job: Job) -> None:
         job.submitted_ns = time.monotonic_ns()
@@ -122,9 +152,16 @@ class Executor:
 
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
+            if self.failed is not None:
+                continue  # launched on record, never run: the next start answers them
             job.started_ns = time.monotonic_ns()
-            for item in job.items:
-                run_item(item)
+            try:
+                self._check_injected_failure()
+                for item in job.items:
+                    run_item(item)
+            except DeviceFailed as exc:
+                self._fail(str(exc))
+                continue
             job.finished_ns = time.monotonic_ns()
             try:
                 self._loop.call_soon_threadsafe(self._finish, job)
@@ -136,11 +173,38 @@ class Executor:
         self._outstanding -= 1
         self._on_done(job)
 
+    def _check_injected_failure(self) -> None:
+        if self._fail_first:
+            raise DeviceFailed("injected by KVD_TEST_CRASH_AT=device_failure")
+
+    def _fail(self, reason: str) -> None:
+        """The device failed (any thread): stop, and tell the loop once."""
+        if self.failed is not None:
+            return
+        self.failed = reason
+        log.critical("the device failed: %s", reason)
+        with contextlib.suppress(RuntimeError):  # a closed loop: kvd is exiting anyway
+            self._loop.call_soon_threadsafe(self._fatal, reason)
+
+    def _fatal(self, reason: str) -> None:
+        if self._on_fatal is not None:
+            self._on_fatal(reason)
+
 
 class CudaExecutor(Executor):
-    """Launches on a dedicated CUDA stream; a second thread waits for each job's event.
+    """Launches on the lane's stream; a second thread waits for each job's event.
 
     Two jobs may be outstanding, so the next batch is launched while the GPU runs the last one.
+    A launch that raised unexpectedly is followed by a check of the device (``CudaApi.broken``):
+    a sticky error fails the device, any other fails the job's requests only. An error
+    waiting for a job's event is asynchronous, hence sticky: the device has failed.
+
+    With ``ready_events`` an interprocess event is also recorded behind each job's launches,
+    its handle set on the job's items (``WorkItem.cuda_event``), and ``on_launched(job)``
+    called at once, before the GPU ran the job; ``on_done`` still follows its completion. Such
+    events come from a pool, and one is recorded again only after kvd saw its last recording
+    complete: an engine that waits on it later waits at most for a later job of the same
+    in-order stream.
     """
 
     capacity = 2
@@ -149,15 +213,21 @@ class CudaExecutor(Executor):
         self,
         loop: asyncio.AbstractEventLoop,
         on_done: DoneCallback,
-        device: torch.device,
-        priority: int = 0,
+        lane: Lane,
+        on_fatal: FatalCallback | None = None,
+        *,
+        ready_events: bool = False,
     ) -> None:
-        self.device = device
-        self.stream = torch.cuda.Stream(device=device, priority=priority)  # type: ignore[no-untyped-call]
-        self._waiting: queue.SimpleQueue[tuple[Job, torch.cuda.Event] | None] = queue.SimpleQueue()
+        self.lane = lane
+        self.device = lane.device
+        self.stream = lane.stream
+        self.ready_events = ready_events
+        self.on_launched: DoneCallback | None = None
+        self._ipc_events: queue.SimpleQueue[tuple[CudaEvent, bytes]] = queue.SimpleQueue()
+        self._waiting: queue.SimpleQueue[_Waiting | None] = queue.SimpleQueue()
         self._waiter = threading.Thread(target=self._wait, name="kvd-cuda-wait", daemon=True)
         self._waiter.start()
-        super().__init__(loop, on_done)
+        super().__init__(loop, on_done, on_fatal)
 
     def close(self, timeout: float | None = None) -> bool:
         stopped = super().close(timeout)
@@ -166,25 +236,86 @@ class CudaExecutor(Executor):
         return stopped and not self._waiter.is_alive()
 
     def _run(self) -> None:
-        torch.cuda.set_device(self.device)
+        self.lane.enter()  # this thread's device and stream, for good
         while (job := self._queue.get()) is not None:
+            if self.failed is not None:
+                continue
             job.started_ns = time.monotonic_ns()
-            with torch.cuda.stream(self.stream):
-                for item in job.items:
-                    run_item(item)
-                # Blocking sync: the waiter thread sleeps instead of spinning on the event.
-                event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
-                event.record(self.stream)
-            self._waiting.put((job, event))
+            try:
+                waiting = self._launch(job)
+            except DeviceFailed as exc:
+                self._fail(str(exc))
+                continue
+            except RuntimeError as exc:  # recording the event failed: completion is unknowable
+                self._fail(f"recording the completion event failed: {exc}")
+                continue
+            if waiting.ready is not None:
+                try:  # posted before the waiter can see the job: the loop hears it first
+                    self._loop.call_soon_threadsafe(self._launched, job)
+                except RuntimeError:
+                    return  # the loop is closed: kvd is exiting
+            self._waiting.put(waiting)
+
+    def _launch(self, job: Job) -> _Waiting:
+        """Launch every item of ``job`` and record the events behind them."""
+        self._check_injected_failure()
+        for item in job.items:
+            run_item(item)
+            if item.crashed:
+                self._check_device()
+        ready = None
+        if self.ready_events and any(item.error is None for item in job.items):
+            ready = self._ipc_event()
+            for item in job.items:
+                if item.error is None:
+                    item.cuda_event = ready[1]
+        # Blocking sync: the waiter thread sleeps instead of spinning on the event.
+        event = self.lane.api.new_event(blocking=True)
+        event.record(self.stream)
+        return _Waiting(job, event, ready)
+
+    def _ipc_event(self) -> tuple[CudaEvent, bytes]:
+        """An interprocess event from the pool (or a new one), recorded on the stream now."""
+        api = self.lane.api
+        try:
+            event, handle = self._ipc_events.get_nowait()
+        except queue.Empty:
+            event, handle = api.new_event(interprocess=True), b""
+        event.record(self.stream)  # creates it on the stream's device, the first time
+        return event, handle or api.ipc_handle(event)
+
+    def _launched(self, job: Job) -> None:
+        if self.on_launched is not None:
+            self.on_launched(job)
+
+    def _check_device(self) -> None:
+        why = self.lane.api.broken(self.device)
+        if why is not None:
+            raise DeviceFailed(why)
 
     def _wait(self) -> None:
+        self.lane.api.set_device(self.device)
         while (entry := self._waiting.get()) is not None:
-            job, event = entry
+            if self.failed is not None:
+                continue
             try:
-                event.synchronize()
-            except RuntimeError as exc:  # an asynchronous CUDA error: the work is undefined
-                log.exception("the CUDA post-process failed")
-                for item in job.items:
-                    item.error = item.error or f"CUDA error: {exc}"
-            job.finished_ns = time.monotonic_ns()
-            self._loop.call_soon_threadsafe(self._finish, job)
+                entry.event.synchronize()
+            except RuntimeError as exc:  # asynchronous, so sticky: the context is gone
+                self._fail(f"the CUDA post-process failed: {exc}")
+                continue
+            if entry.ready is not None:
+                self._ipc_events.put(entry.ready)  # its recording is complete: reusable
+            entry.job.finished_ns = time.monotonic_ns()
+            try:
+                self._loop.call_soon_threadsafe(self._finish, entry.job)
+            except RuntimeError:
+                return  # the loop is closed: a forced exit left this job to the journal
+
+
+@dataclass(slots=True, eq=False)
+class _Waiting:
+    """A launched job, the event its completion is seen by, and its interprocess event."""
+
+    job: Job
+    event: CudaEvent
+    ready: tuple[CudaEvent, bytes] | None

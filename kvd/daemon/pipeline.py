@@ -319,11 +319,29 @@ class Pipeline:
         self.journal.launched(launches)
         self.executor.submit(Job(items))
 
+    def job_launched(self, job: Job) -> None:
+        """``ready_cuda_event``: announce each request whose launch was enqueued, with the
+        CUDA event its blocks are ready at, before the GPU ran it. Its outcome is journaled, and
+        it leaves the ledger, when the work has completed (``_job_done``): a crash before then
+        is answered Failed(interrupted) by the next start, like any launch without an outcome.
+        """
+        if self.closing:
+            return
+        for item in job.items:
+            if item.error is not None or not item.cuda_event:
+                continue
+            item.announced = True
+            for request in item.batch.requests:
+                elapsed_ns = time.monotonic_ns() - request.received_ns
+                event = self._event(request, "", "", elapsed_ns, item.cuda_event)
+                self.publisher.publish(request.cache_id, event)
+                self._count_answer(True, elapsed_ns)
+
     def _job_done(self, job: Job) -> None:
         if self.closing:
             return  # the sockets are going: the next start reports these as interrupted
         self.metrics.transform.observe((job.finished_ns - job.started_ns) / 1e9)
-        finished: list[tuple[Request, Outcome]] = []
+        finished: list[tuple[Request, Outcome, bool]] = []
         for item in job.items:
             if item.error is None:
                 self.metrics.blocks.value += item.num_blocks
@@ -337,12 +355,12 @@ class Pipeline:
                 if item.error is not None:
                     # Launched, so on record either way: a repeat gets this same answer.
                     request.error = (item.code, item.error)
-                finished.append((request, self._outcome(request)))
+                finished.append((request, self._outcome(request), item.announced))
         if self._crash_at == "after_transform":
             os.kill(os.getpid(), signal.SIGKILL)
-        self.journal.finished(outcome for _, outcome in finished)
-        for request, outcome in finished:
-            self._finish(request, outcome)
+        self.journal.finished(outcome for _, outcome, _ in finished)
+        for request, outcome, announced in finished:
+            self._finish(request, outcome, announce=not announced)
         self.journal.rotate_if_full(r.launch_record() for r in self.ledger.launched())
         self.kick()
 
@@ -358,13 +376,15 @@ class Pipeline:
             request.remote_engine_id,
         )
 
-    def _finish(self, request: Request, outcome: Outcome | None) -> None:
-        """Publish the one event of a request and retire it from the ledger; ``outcome`` is
-        remembered when the request's blocks were touched."""
-        elapsed_ns = time.monotonic_ns() - request.received_ns
-        code, message = request.error or ("", "")
-        self.publisher.publish(request.cache_id, self._event(request, code, message, elapsed_ns))
-        self._count_answer(not code, elapsed_ns)
+    def _finish(self, request: Request, outcome: Outcome | None, *, announce: bool = True) -> None:
+        """Publish the one event of a request (unless ``job_launched`` did) and retire it from
+        the ledger; ``outcome`` is remembered when the request's blocks were touched."""
+        if announce:
+            elapsed_ns = time.monotonic_ns() - request.received_ns
+            code, message = request.error or ("", "")
+            event = self._event(request, code, message, elapsed_ns)
+            self.publisher.publish(request.cache_id, event)
+            self._count_answer(not code, elapsed_ns)
         self.ledger.publish(request, outcome)
         if self._drained is not None and not self.ledger and not self._drained.done():
             self._drained.set_result(None)
@@ -375,7 +395,9 @@ class Pipeline:
         self._finish(request, None)
         self.ledger.untouched.put(self._outcome(request))
 
-    def _event(self, request: Request, code: str, message: str, elapsed_ns: int) -> Ready | Failed:
+    def _event(
+        self, request: Request, code: str, message: str, elapsed_ns: int, cuda_event: bytes = b""
+    ) -> Ready | Failed:
         if not code:
             return Ready(
                 req_id=request.req_id,
@@ -385,6 +407,7 @@ class Pipeline:
                 elapsed_us=elapsed_ns // 1000,
                 generation=request.generation,
                 epoch=self.publisher.epoch,
+                cuda_event=cuda_event,
             )
         return Failed(
             req_id=request.req_id,

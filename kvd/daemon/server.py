@@ -45,6 +45,7 @@ from kvd.daemon.sockets import (
 from kvd.daemon.timers import Every
 from kvd.endpoints import Endpoints, default_runtime_dir
 from kvd.kernels import cpu as kernels_cpu
+from kvd.kernels.device import lane_for
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,9 @@ INGEST_QUEUE = 65536
 """Notifications queued per engine connection before its PUSH waits."""
 EVENTS_QUEUE = 1_000_000
 """Events queued per subscriber before it misses some (and replays them)."""
+EXIT_DEVICE_FAILED = 3
+"""Exit status after the device failed (a sticky CUDA error): only a new process gets a working
+CUDA context, so kvd exits and its service manager restarts it (``Restart=on-failure``)."""
 EXECUTOR_GRACE_S = 1.0
 """On a drain timeout, how long the running post-process may still take to finish."""
 
@@ -92,6 +96,8 @@ class Server:
         self.force_exit = False
         self.work_abandoned = False
         """True when kvd stopped with a transform still running on the executor thread."""
+        self.device_failure: str | None = None
+        """Why the device failed, if it did: kvd then exits with ``EXIT_DEVICE_FAILED``."""
         self.endpoints: Endpoints | None = None
         self.metrics = Metrics()
         self.notifier = notifier if notifier is not None else Notifier.from_env()
@@ -129,12 +135,16 @@ class Server:
             await self.main_loop()
         finally:
             clean = await self.shutdown()
+        if self.device_failure is not None:
+            return EXIT_DEVICE_FAILED
         return 0 if clean else 1
 
     async def startup(self) -> None:
         config = self.config
         loop = asyncio.get_running_loop()
         device = parse_device(config.device)
+        if config.ready_cuda_event and device.type != "cuda":
+            raise StartupError("ready_cuda_event: CUDA events need a daemon on a CUDA device")
         if device.type == "cpu" and not kernels_cpu.available():
             log.warning(
                 "the compiled CPU kernel is not built (no C compiler at install time?): the "
@@ -183,13 +193,20 @@ class Server:
         # A fresh epoch per start lets subscribers tell a restart (seqs begin at 1 again).
         epoch = secrets.randbits(63)
         publisher = Publisher(events, config.replay_buffer, epoch, config.replay_buffer_bytes)
-        executor_factory = None
-        if device.type == "cuda":
 
-            def executor_factory(
-                loop: asyncio.AbstractEventLoop, done: Callable[[Job], None]
-            ) -> Executor:
-                return CudaExecutor(loop, done, device, priority=config.stream_priority)
+        def executor_factory(
+            loop: asyncio.AbstractEventLoop, done: Callable[[Job], None]
+        ) -> Executor:
+            if device.type == "cuda":
+                lane = lane_for(device, config.stream_priority)
+                return CudaExecutor(
+                    loop,
+                    done,
+                    lane,
+                    on_fatal=self.device_failed,
+                    ready_events=config.ready_cuda_event,
+                )
+            return Executor(loop, done, on_fatal=self.device_failed)
 
         pipeline = Pipeline(
             loop,
@@ -203,6 +220,8 @@ class Server:
             executor_factory=executor_factory,
         )
         self._pipeline = pipeline
+        if isinstance(pipeline.executor, CudaExecutor):
+            pipeline.executor.on_launched = pipeline.job_launched
         try:
             interrupted = pipeline.recover(recovered)
         except JournalError as exc:
@@ -335,6 +354,31 @@ class Server:
                 # From this point every new notification is refused, however soon it arrives.
                 self._pipeline.stop_accepting()
         self.should_exit = True
+        self._exit.set()
+
+    def device_failed(self, reason: str) -> None:
+        """The executor found the device broken: stop at once, answering only what is known.
+
+        Requests not launched get Failed(shutting_down) (nothing of theirs was touched); those
+        launched and not seen complete get nothing now, since their blocks may be partly
+        written: the journal holds them, and the next start answers Failed(interrupted).
+        """
+        if self.device_failure is not None:
+            return
+        self.device_failure = reason
+        log.critical(
+            "the device failed (%s): kvd exits with status %d to be restarted with a new CUDA "
+            "context; the requests it launched are answered by the next start",
+            reason,
+            EXIT_DEVICE_FAILED,
+        )
+        self.notifier.stopping(f"device failed: {reason}"[:200])
+        # Torch's teardown would call into the broken context, and the executor thread may be
+        # stuck in it: leave without the interpreter's teardown (see cli._serve).
+        self.work_abandoned = True
+        self.force_exit = self.should_exit = True
+        if self._pipeline is not None:
+            self._pipeline.stop_accepting()
         self._exit.set()
 
     async def shutdown(self) -> bool:

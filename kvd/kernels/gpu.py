@@ -1,21 +1,42 @@
 """The CUDA kernels: Triton programs that execute a plan over groups of pages, in place.
 
-The plan arrives as a word gather index (``Plan.gather_index``): word ``i`` of a group receives
-landed word ``index[i]``, or zero where it is -1. A program owns one group: it loads the words
-that move into registers, waits at a barrier until every thread of the program holds its part,
-then stores them: the group is read once and written once, in place, and words already in place
-are neither loaded nor stored. Groups too large for one program's registers take two launches
-through a scratch buffer instead (gather, then write back), at twice the memory traffic.
+A plan is a word gather index over a group of pages (``Plan.gather_index``): word ``i`` of a
+group receives landed word ``index[i]``, or zero where it is -1. The kernels read each moving
+word once and write it once, in place; words already in place are neither read nor written.
 
-Page addresses come as a table, one row of ``pages_per_group`` addresses per (region, group), so
-one launch covers every region of a cache that shares a plan. Launches go to the caller's
-current stream (the executor's dedicated stream). The same kernels run on the CPU under
-``TRITON_INTERPRET=1``, which is how the tests check them without a GPU.
+**In place, by closed slices** (``_permute_units``, the common path). The planner's moves are
+runs of whole head vectors (or token runs), so the index moves *units* of ``W`` words: unit
+``u`` receives unit ``src[u]`` whole. Words at offset ``o`` of a unit then come only from offset
+``o`` of another unit, so "every unit, offsets ``[o, o + SLICE)``" is closed under the
+permutation: a program that loads such a slice of every unit of one group, waits at a barrier,
+then stores it, never overwrites a word another program still has to read. The tile is bounded
+(``TILE_BYTES``: at most 32 words per thread, with one address per row rather than per word,
+so it fits in registers without spilling), however large the page: the benchmark's 128 KiB page
+of 512 head vectors (256 B each) is 2 programs of 16 warps, each moving one 128-byte line of
+every head vector. Narrower units give narrower slices (``cpu_attn_vec``'s token runs: 8-16 B),
+adjacent programs then take adjacent slices of the same page, so together they still read and
+write whole lines at about the same time.
+
+**Two passes through a scratch** (``_gather_words``), when a group's units are too many for
+one tile (units of a word or two: e.g. a fine-grained format pair at a large page): gather each
+group into a scratch buffer, then write it back, in chunks of at most ``SCRATCH_BYTES`` (an L2's
+worth, so the write-back mostly reads from L2): twice the launches, up to twice the traffic.
+
+Block ids reach the GPU through the lane's pinned ring (``device.IdRing``), int32, one slot per
+launch; page addresses are formed on the GPU from each region's base and block stride, so one
+launch covers every region of a cache that shares a plan. Launches go to the lane's stream,
+under ``Lane.launching()``. The same kernels run on the CPU under ``TRITON_INTERPRET=1``, which
+is how the tests check them without a GPU.
+
+What a GPU run must confirm (``.ci/device-check``): the kernels compile without spills
+(``kernel_stats()``), the in-place path reaches the copy-bandwidth target on the benchmark's
+128 KiB pages, and 16 warps per program leave enough programs in flight per SM.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -23,157 +44,276 @@ import torch
 import triton
 import triton.language as tl
 
+from kvd.kernels.device import Lane
 from kvd.layout.planner import Plan
 
-# Above this a group does not fit one program's registers: each word held also needs its
-# int32 source index (16 warps x 32 threads x ~64 regs). Not yet tuned on a GPU.
-MAX_TILE_BYTES = 64 * 1024
-# Bound on the scratch buffer of the two-pass path; longer page tables are done in chunks.
-MAX_SCRATCH_BYTES = 256 << 20
-# Words a program of the two-pass path moves.
+TILE_BYTES = 64 * 1024
+"""Bytes a program of the in-place path holds: up to 16 warps x 32 threads x 32 words."""
+WORDS_PER_THREAD = 32
+SCRATCH_BYTES = 16 << 20
+"""Scratch of the two-pass path: about a third of an H100/H200 L2 (50 MiB)."""
 _TWO_PASS_TILE_BYTES = 16 * 1024
+_MAX_ALIGN = 16  # the widest vector load
 
 _WORDS = {4: tl.int32, 2: tl.int16, 1: tl.uint8}
 
 
-@triton.jit
-def _load_group(pages_ptr, index_ptr, g, i, mask, PAGE_WORDS, K: tl.constexpr, WORD: tl.constexpr):
-    """The landed words group ``g``'s words ``i`` receive; ``moving`` marks those not in place."""
-    src = tl.load(index_ptr + i, mask=mask, other=0)
-    moving = mask & (src != i)
-    tile = tl.zeros(i.shape, dtype=WORD)
-    for j in tl.static_range(K):
-        page = tl.load(pages_ptr + g * K + j).to(tl.pointer_type(WORD))
-        here = moving & (src >= j * PAGE_WORDS) & (src < (j + 1) * PAGE_WORDS)
-        tile = tl.where(here, tl.load(page + (src - j * PAGE_WORDS), mask=here, other=0), tile)
-    return tile, moving
-
-
-@triton.jit
-def _store_group(pages_ptr, g, i, moving, tile, PAGE_WORDS, K: tl.constexpr, WORD: tl.constexpr):
-    for j in tl.static_range(K):
-        page = tl.load(pages_ptr + g * K + j).to(tl.pointer_type(WORD))
-        here = moving & (i >= j * PAGE_WORDS) & (i < (j + 1) * PAGE_WORDS)
-        tl.store(page + (i - j * PAGE_WORDS), tile, mask=here)
-
-
-@triton.jit
-def _apply_in_place(
-    pages_ptr,  # int64 page addresses, K per group
-    index_ptr,  # int32: landed word of each word of a group (-1: zero)
-    GROUP_WORDS,
-    PAGE_WORDS,
-    K: tl.constexpr,
-    BLOCK: tl.constexpr,
+# Sizes that vary with the geometry are runtime arguments, not specialised on, so that one
+# compiled kernel serves many geometries (compiling costs about a second each).
+@triton.jit(do_not_specialize=["groups", "units", "units_per_page", "k"])
+def _permute_units(
+    ids_ptr,  # int32: k block ids per group
+    bases_ptr,  # int64: byte address of block 0, per region
+    strides_ptr,  # int64: bytes from one block to the next, per region
+    src_ptr,  # int32 per unit: the unit it receives, -1 for zeros (== itself: in place)
+    groups,
+    units,
+    units_per_page,
+    k,
+    UNIT: tl.constexpr,  # words per unit
+    SLICE: tl.constexpr,  # words of each unit this program moves
+    BLOCK_U: tl.constexpr,  # units, rounded up to a power of two
+    ALIGN: tl.constexpr,  # bytes every row's first word is aligned to
     WORD: tl.constexpr,
+    WIDTH: tl.constexpr,  # bytes per word
 ):
-    g = tl.program_id(0).to(tl.int64)
-    i = tl.arange(0, BLOCK)
-    mask = i < GROUP_WORDS
-    tile, moving = _load_group(pages_ptr, index_ptr, g, i, mask, PAGE_WORDS, K, WORD)
+    pid = tl.program_id(0).to(tl.int64)
+    col = (pid % (UNIT // SLICE)) * (SLICE * WIDTH)
+    rest = pid // (UNIT // SLICE)
+    g = rest % groups
+    r = rest // groups
+    base = tl.load(bases_ptr + r)
+    stride = tl.load(strides_ptr + r)
+    u = tl.arange(0, BLOCK_U)
+    src = tl.load(src_ptr + u, mask=u < units, other=0)
+    moving = (u < units) & (src != u)
+    loads = moving & (src >= 0)
+    src = tl.where(loads, src, 0)
+    src_block = tl.load(ids_ptr + g * k + src // units_per_page, mask=loads, other=0)
+    dst_block = tl.load(ids_ptr + g * k + u // units_per_page, mask=moving, other=0)
+    unit_bytes = UNIT * WIDTH
+    src_row = base + src_block.to(tl.int64) * stride + (src % units_per_page) * unit_bytes + col
+    dst_row = base + dst_block.to(tl.int64) * stride + (u % units_per_page) * unit_bytes + col
+    src_row = tl.multiple_of(src_row, ALIGN)
+    dst_row = tl.multiple_of(dst_row, ALIGN)
+    c = tl.arange(0, SLICE)
+    tile = tl.load(
+        src_row.to(tl.pointer_type(WORD))[:, None] + c[None, :], mask=loads[:, None], other=0
+    )
     # Every thread must hold its words before any thread overwrites words others still read.
     tl.debug_barrier()
-    _store_group(pages_ptr, g, i, moving, tile, PAGE_WORDS, K, WORD)
+    tl.store(dst_row.to(tl.pointer_type(WORD))[:, None] + c[None, :], tile, mask=moving[:, None])
 
 
-@triton.jit
-def _apply_two_pass(
-    pages_ptr,
-    index_ptr,
-    scratch_ptr,  # (groups, GROUP_WORDS) words
-    GROUP_WORDS,
-    PAGE_WORDS,
-    K: tl.constexpr,
+@triton.jit(do_not_specialize=["groups", "group_words", "page_words", "k"])
+def _gather_words(
+    ids_ptr,
+    bases_ptr,
+    strides_ptr,
+    index_ptr,  # int32 per word of a group: the landed word it receives, -1 for zero
+    scratch_ptr,  # (groups x regions, group_words) words
+    groups,
+    group_words,
+    page_words,
+    k,
     TILE: tl.constexpr,
     WORD: tl.constexpr,
+    WIDTH: tl.constexpr,
     TO_SCRATCH: tl.constexpr,
 ):
-    """Words [tile * TILE, ...) of one group: into scratch (gathered) or back to the pages."""
-    g = tl.program_id(0).to(tl.int64)
+    """Words [tile * TILE, ...) of one group of one region: gathered into its scratch row, or
+    written back from it."""
+    row = tl.program_id(0).to(tl.int64)
+    g = row % groups
+    r = row // groups
+    base = tl.load(bases_ptr + r)
+    stride = tl.load(strides_ptr + r)
     i = tl.program_id(1) * TILE + tl.arange(0, TILE)
-    mask = i < GROUP_WORDS
-    slot = scratch_ptr.to(tl.pointer_type(WORD)) + g * GROUP_WORDS
+    mask = i < group_words
+    src = tl.load(index_ptr + i, mask=mask, other=0)
+    moving = mask & (src != i)
+    slot = scratch_ptr.to(tl.pointer_type(WORD)) + row * group_words
     if TO_SCRATCH:
-        tile, moving = _load_group(pages_ptr, index_ptr, g, i, mask, PAGE_WORDS, K, WORD)
+        loads = moving & (src >= 0)
+        src = tl.where(loads, src, 0)
+        block = tl.load(ids_ptr + g * k + src // page_words, mask=loads, other=0).to(tl.int64)
+        page = (base + block * stride).to(tl.pointer_type(WORD))
+        tile = tl.load(page + src % page_words, mask=loads, other=0)
         tl.store(slot + i, tile, mask=moving)
     else:
-        src = tl.load(index_ptr + i, mask=mask, other=0)
-        moving = mask & (src != i)
         tile = tl.load(slot + i, mask=moving, other=0)
-        _store_group(pages_ptr, g, i, moving, tile, PAGE_WORDS, K, WORD)
+        block = tl.load(ids_ptr + g * k + i // page_words, mask=moving, other=0).to(tl.int64)
+        page = (base + block * stride).to(tl.pointer_type(WORD))
+        tl.store(page + i % page_words, tile, mask=moving)
 
 
 @dataclass(frozen=True, eq=False)
 class Prepared:
-    """A plan's launch arguments on one device, made once and reused by every request."""
+    """A plan's launch arguments on one device, made once and reused by every request.
+
+    In place (``unit_words`` > 0): ``index`` is each unit's source unit. Two-pass: ``index``
+    is each word's source word.
+    """
 
     plan: Plan
-    index: torch.Tensor
     width: int
+    index: torch.Tensor
+    unit_words: int = 0
+    slice_words: int = 0
+    block_units: int = 0
+    align: int = 1
+    num_warps: int = 4
 
     @property
     def group_words(self) -> int:
         return self.plan.group_bytes // self.width
 
+    @property
+    def in_place(self) -> bool:
+        return self.unit_words > 0
 
-def prepare(plan: Plan, device: torch.device, alignment: int) -> Prepared:
-    """The gather index of ``plan`` on ``device``, in the widest words every page address
-    (all multiples of ``alignment``) and every run allow."""
+    @property
+    def tile_words(self) -> int:
+        """Words one program holds (in place)."""
+        return self.block_units * self.slice_words
+
+
+@dataclass(frozen=True, eq=False)
+class Regions:
+    """Regions that share a plan, on the device: each one's base address and block stride."""
+
+    bases: torch.Tensor
+    strides: torch.Tensor
+
+    @property
+    def count(self) -> int:
+        return int(self.bases.shape[0])
+
+
+def regions(lane: Lane, bases: npt.NDArray[np.int64], strides: npt.NDArray[np.int64]) -> Regions:
+    """Upload region bases and strides (under ``lane.launching()``)."""
+    return Regions(lane.upload(bases, torch.int64), lane.upload(strides, torch.int64))
+
+
+def unit_words(index: npt.NDArray[np.int64], page_words: int) -> int:
+    """The largest power of two ``W`` dividing ``page_words`` such that ``index`` moves whole
+    aligned units of ``W`` words: words ``[uW, uW + W)`` receive ``[sW, sW + W)`` in order, or
+    are all zeroed."""
+    w = page_words & -page_words
+    while w > 1:
+        rows = index.reshape(-1, w)
+        first = rows[:, :1]
+        zero = first < 0
+        whole = np.where(zero, rows < 0, rows == first + np.arange(w))
+        if whole.all() and (zero | (first % w == 0)).all():
+            return w
+        w //= 2
+    return 1
+
+
+def prepare(plan: Plan, lane: Lane, alignment: int) -> Prepared:
+    """``plan``'s launch arguments on ``lane``'s device, in the widest words every page address
+    (all multiples of ``alignment``) and every run allow (under ``lane.launching()``)."""
     width = min(plan.word_width(4), alignment & -alignment or 4, 4)
     index = plan.gather_index(width)
     if len(index) >= 2**31:
         raise ValueError(f"a group of {len(index)} words is too large for the CUDA kernels")
-    return Prepared(plan, _on(device, index, torch.int32), width)
+    page_words = plan.page_bytes // width
+    unit = unit_words(np.asarray(index), page_words)
+    units = len(index) // unit
+    block_units = triton.next_power_of_2(units)
+    tile = TILE_BYTES // width
+    if block_units > tile:
+        return Prepared(plan, width, lane.upload(np.asarray(index), torch.int32))
+    slice_words = min(unit, tile // block_units)
+    threads = max(32, block_units * slice_words // WORDS_PER_THREAD)
+    rows = np.asarray(index).reshape(units, unit)[:, 0]
+    sources = np.where(rows < 0, -1, rows // unit)
+    return Prepared(
+        plan,
+        width,
+        lane.upload(sources, torch.int32),
+        unit_words=unit,
+        slice_words=slice_words,
+        block_units=block_units,
+        align=min(alignment, slice_words * width, _MAX_ALIGN),
+        num_warps=min(16, threads // 32),
+    )
 
 
-def apply_runs(prepared: Prepared, pages: npt.NDArray[np.int64], device: torch.device) -> None:
-    """Apply the plan to every group of ``pages`` (rows of page addresses); asynchronous on
-    the current stream."""
-    if len(pages) == 0 or prepared.plan.is_identity:
+_stats: dict[str, dict[str, int]] = {}
+
+
+def kernel_stats() -> dict[str, dict[str, int]]:
+    """Registers and spills of each kernel compiled so far (empty under the interpreter)."""
+    return dict(_stats)
+
+
+def _note(compiled: Any, name: str) -> None:
+    if compiled is not None and hasattr(compiled, "n_spills") and name not in _stats:
+        _stats[name] = {"registers": int(compiled.n_regs), "spills": int(compiled.n_spills)}
+
+
+def apply_runs(
+    prepared: Prepared, where: Regions, groups: npt.NDArray[np.int64], lane: Lane
+) -> None:
+    """Apply the plan to every group (row of ``pages_per_group`` block ids) of every region of
+    ``where``; asynchronous, on the lane's stream (call under ``lane.launching()``)."""
+    if len(groups) == 0 or prepared.plan.is_identity:
         return
     plan, width = prepared.plan, prepared.width
-    word = _WORDS[width]
-    group_words, page_words = prepared.group_words, plan.page_bytes // width
     k = plan.pages_per_group
-    block = triton.next_power_of_2(group_words)
-    if block * width <= MAX_TILE_BYTES:
-        table = _on(device, pages, torch.int64)
-        _apply_in_place[(len(pages),)](
-            table,
-            prepared.index,
-            group_words,
-            page_words,
-            K=k,
-            BLOCK=block,
-            WORD=word,
-            num_warps=16 if block * width > 32 * 1024 else 8,
-        )
+    ids = np.ascontiguousarray(groups, dtype=np.int32).reshape(-1)
+    if prepared.in_place:
+        per_launch = lane.ids.slot_ids // k
+        for start in range(0, len(groups), per_launch):
+            chunk = ids[start * k : (start + per_launch) * k]
+            n = len(chunk) // k
+            slices = prepared.unit_words // prepared.slice_words
+            with lane.ids.slot(chunk) as on_device:
+                compiled = _permute_units[(slices * n * where.count,)](
+                    on_device,
+                    where.bases,
+                    where.strides,
+                    prepared.index,
+                    n,
+                    prepared.group_words // prepared.unit_words,
+                    plan.page_bytes // width // prepared.unit_words,
+                    k,
+                    UNIT=prepared.unit_words,
+                    SLICE=prepared.slice_words,
+                    BLOCK_U=prepared.block_units,
+                    ALIGN=prepared.align,
+                    WORD=_WORDS[width],
+                    WIDTH=width,
+                    num_warps=prepared.num_warps,
+                )
+            _note(compiled, f"in_place tile={prepared.tile_words} words x {width} B")
         return
-    tile = min(block, _TWO_PASS_TILE_BYTES // width)
-    per_chunk = max(1, MAX_SCRATCH_BYTES // plan.group_bytes)
-    for start in range(0, len(pages), per_chunk):
-        chunk = pages[start : start + per_chunk]
-        table = _on(device, chunk, torch.int64)
-        scratch = torch.empty(len(chunk) * plan.group_bytes, dtype=torch.uint8, device=device)
-        grid = (len(chunk), triton.cdiv(group_words, tile))
-        for to_scratch in (True, False):
-            _apply_two_pass[grid](
-                table,
-                prepared.index,
-                scratch,
-                group_words,
-                page_words,
-                K=k,
-                TILE=tile,
-                WORD=word,
-                TO_SCRATCH=to_scratch,
-                num_warps=4,
-            )
-
-
-def _on(device: torch.device, values: npt.NDArray[np.int64], dtype: torch.dtype) -> torch.Tensor:
-    """``values`` as a tensor on ``device``; from pinned memory, so the copy does not stall."""
-    host = torch.from_numpy(np.array(values, dtype=np.int64).reshape(-1)).to(dtype)
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
+    group_words = prepared.group_words
+    tile = min(triton.next_power_of_2(group_words), _TWO_PASS_TILE_BYTES // width)
+    rows_bytes = plan.group_bytes * where.count
+    per_chunk = max(1, min(SCRATCH_BYTES // rows_bytes, lane.ids.slot_ids // k))
+    scratch = lane.scratch(min(len(groups), per_chunk) * rows_bytes)
+    for start in range(0, len(groups), per_chunk):
+        chunk = ids[start * k : (start + per_chunk) * k]
+        n = len(chunk) // k
+        with lane.ids.slot(chunk) as on_device:
+            for to_scratch in (True, False):
+                compiled = _gather_words[(n * where.count, triton.cdiv(group_words, tile))](
+                    on_device,
+                    where.bases,
+                    where.strides,
+                    prepared.index,
+                    scratch,
+                    n,
+                    group_words,
+                    plan.page_bytes // width,
+                    k,
+                    TILE=tile,
+                    WORD=_WORDS[width],
+                    WIDTH=width,
+                    TO_SCRATCH=to_scratch,
+                    num_warps=4,
+                )
+        _note(compiled, f"two_pass tile={tile} words x {width} B")

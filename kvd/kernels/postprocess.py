@@ -13,6 +13,7 @@ kernels trust what they are given.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,7 +31,8 @@ from kvd.layout.planner import Plan
 from kvd.protocol import FormatRef, PageFormat
 
 if TYPE_CHECKING:  # Triton is imported only where CUDA is used
-    from kvd.kernels.gpu import Prepared
+    from kvd.kernels.device import Lane
+    from kvd.kernels.gpu import Prepared, Regions
 
 Backend = Literal["auto", "kernel", "torch"]
 """``kernel``: the compiled CPU kernel, or Triton on CUDA; ``torch``: plain torch ops (the
@@ -130,7 +132,9 @@ class CachePostProcess:
 
     Every region must have the same ``num_blocks`` and block size. Plans and prepared launches
     are memoised per (remote format, remote block size, coverage). ``apply`` runs on the
-    caller's thread (the executor's); on CUDA it launches on the current stream.
+    caller's thread (the executor's); on CUDA it launches on ``lane``'s stream and device
+    (by default the process's lane on ``device``), whatever the calling thread's current ones,
+    and returns without waiting for the GPU.
     """
 
     def __init__(
@@ -138,11 +142,14 @@ class CachePostProcess:
         regions: Sequence[RegionView],
         device: torch.device | str = "cpu",
         backend: Backend = "auto",
+        lane: Lane | None = None,
     ) -> None:
         if not regions:
             raise ValueError("regions: a cache needs at least one region")
         self.device = torch.device(device)
         first = regions[0]
+        if self.device == torch.device("cuda"):
+            self.device = first.pages.device  # "cuda" is the first region's cuda:N
         by_plan: dict[tuple[PageFormat, KV, PageSizes], list[RegionView]] = {}
         for i, region in enumerate(regions):
             if region.pages.device != self.device and not (
@@ -171,6 +178,18 @@ class CachePostProcess:
         self.backend = self._pick_backend(backend)
         self._launches: dict[tuple[FormatRef, int, int], list[_Launch]] = {}
         self._needs_work: dict[tuple[FormatRef, int], bool] = {}
+        self._lane = lane
+        self._on_device: dict[_Bundle, Regions] = {}
+        self._zeroes: dict[_Bundle, _Launch] = {}
+
+    @property
+    def lane(self) -> Lane:
+        """Where the Triton backend launches: kvd's stream on the device."""
+        if self._lane is None:
+            from kvd.kernels.device import lane_for
+
+            self._lane = lane_for(self.device)
+        return self._lane
 
     def _pick_backend(self, backend: Backend) -> Literal["c", "triton", "torch"]:
         if backend == "torch":
@@ -248,33 +267,46 @@ class CachePostProcess:
         if problem is not None:
             raise problem
         work = [(0, full), *sorted(partial.items())]
-        calls = [
-            (launch, np.asarray(ids, dtype=np.int64).reshape(-1, pages))
-            for covered, ids in work
-            if ids
-            for launch in self._launches_for(remote, remote_block_size, covered)
-        ]
-        if unreached:
-            groups = np.asarray(unreached, dtype=np.int64).reshape(-1, 1)
-            calls += [
-                (_Launch(b, planner.zero_plan(page_bytes(b.format, b.sizes))), groups)
-                for b in self._bundles
+        with self._launching():  # plans are prepared (uploaded) on the lane too
+            calls = [
+                (launch, np.asarray(ids, dtype=np.int64).reshape(-1, pages))
+                for covered, ids in work
+                if ids
+                for launch in self._launches_for(remote, remote_block_size, covered)
             ]
-        for launch, groups in calls:
-            self._run(launch, groups)
+            if unreached:
+                groups = np.asarray(unreached, dtype=np.int64).reshape(-1, 1)
+                calls += [(self._zero_launch(b), groups) for b in self._bundles]
+            for launch, groups in calls:
+                self._run(launch, groups)
+
+    def _launching(self) -> contextlib.AbstractContextManager[None]:
+        """Around every kernel call: on CUDA, the lane's device and stream."""
+        if self.backend != "triton":
+            return contextlib.nullcontext()
+        return self.lane.launching()
+
+    def _zero_launch(self, bundle: _Bundle) -> _Launch:
+        known = self._zeroes.get(bundle)
+        if known is None:
+            plan = planner.zero_plan(page_bytes(bundle.format, bundle.sizes))
+            known = self._zeroes[bundle] = _Launch(bundle, plan)
+        return known
 
     def warm_up(self, remote: FormatRef, remote_block_size: int) -> None:
         """Compile the kernels a request in ``remote`` at nP would launch, on scratch pages
-        (never the cache's): CUDA's first launch of a kernel shape pays its compilation."""
-        for launch in self._launches_for(remote, remote_block_size, 0):
-            plan, bundle = launch.plan, launch.bundle
-            scratch = torch.zeros(
-                (plan.pages_per_group, plan.page_bytes), dtype=torch.uint8, device=self.device
-            )
-            region = RegionView(scratch, bundle.format, bundle.sizes, bundle.kv)
-            on_scratch = _Bundle(bundle.format, bundle.kv, bundle.sizes, (region,))
-            groups = np.arange(plan.pages_per_group, dtype=np.int64).reshape(1, -1)
-            self._run(_Launch(on_scratch, plan, launch.prepared), groups)
+        (never the cache's): CUDA's first launch of a kernel shape pays its compilation.
+        Asynchronous on CUDA, like ``apply``."""
+        with self._launching():
+            for launch in self._launches_for(remote, remote_block_size, 0):
+                plan, bundle = launch.plan, launch.bundle
+                scratch = torch.zeros(
+                    (plan.pages_per_group, plan.page_bytes), dtype=torch.uint8, device=self.device
+                )
+                region = RegionView(scratch, bundle.format, bundle.sizes, bundle.kv)
+                on_scratch = _Bundle(bundle.format, bundle.kv, bundle.sizes, (region,))
+                groups = np.arange(plan.pages_per_group, dtype=np.int64).reshape(1, -1)
+                self._run(_Launch(on_scratch, plan, launch.prepared), groups, warm_up=True)
 
     def _launches_for(
         self, remote: FormatRef, remote_block_size: int, covered: int
@@ -299,22 +331,39 @@ class CachePostProcess:
                 if self.backend == "triton":
                     from kvd.kernels import gpu
 
-                    prepared = gpu.prepare(plan, self.device, bundle.alignment)
+                    prepared = gpu.prepare(plan, self.lane, bundle.alignment)
                 known.append(_Launch(bundle, plan, prepared))
             self._launches[key] = known
         return known
 
-    def _run(self, launch: _Launch, groups: npt.NDArray[np.int64]) -> None:
+    def _run(
+        self, launch: _Launch, groups: npt.NDArray[np.int64], *, warm_up: bool = False
+    ) -> None:
         bundle, plan = launch.bundle, launch.plan
         if self.backend == "torch":
             for region in bundle.regions:
                 cpu.apply_runs_torch(region.pages, groups, plan)
-            return
-        pages = cpu.page_table(bundle.bases, bundle.strides, groups)
-        if self.backend == "c":
-            cpu.apply_runs(pages, plan)
-            return
+        elif self.backend == "c":
+            cpu.apply_runs(cpu.page_table(bundle.bases, bundle.strides, groups), plan)
+        else:
+            from kvd.kernels import gpu
+
+            if launch.prepared is None:
+                launch = self._prepare(launch)
+            assert launch.prepared is not None
+            where = self._on_device.get(bundle)
+            if where is None:
+                where = gpu.regions(self.lane, bundle.bases, bundle.strides)
+                if not warm_up:  # a warm-up's bundle is over scratch pages, used once
+                    self._on_device[bundle] = where
+            gpu.apply_runs(launch.prepared, where, groups, self.lane)
+
+    def _prepare(self, launch: _Launch) -> _Launch:
+        """``launch`` with its plan prepared on the lane (zero plans: once per bundle)."""
         from kvd.kernels import gpu
 
-        prepared = launch.prepared or gpu.prepare(plan, self.device, bundle.alignment)
-        gpu.apply_runs(prepared, pages, self.device)
+        prepared = gpu.prepare(launch.plan, self.lane, launch.bundle.alignment)
+        done = _Launch(launch.bundle, launch.plan, prepared)
+        if self._zeroes.get(launch.bundle) is launch:
+            self._zeroes[launch.bundle] = done
+        return done
