@@ -37,7 +37,7 @@ import torch
 from kvd.client import Client, EventsLost, KvdError, KvdTimeout, ReplayError
 from kvd.daemon_process import DaemonError, DaemonProcess
 from kvd.progress import progress_bar
-from kvd.protocol import Event, Failed, Ready, Reason
+from kvd.protocol import Event, Ready, Reason
 from kvd.shm import ShmCache
 from kvd.tables import format_table
 
@@ -66,7 +66,10 @@ RETRY_S = 0.2
 """Delay before re-sending after a Failed that touched nothing, or a failed re-attach."""
 SETTLE_S = 3.0
 """At a cycle's end, how long to wait for the answers of late repeats."""
-CYCLE_TIMEOUT_S = 90.0
+STALL_S = 120.0
+"""A cycle fails when no request got its final answer (and no kvd started) for this long."""
+START_TIMEOUT_S = 120.0
+"""How long a kvd may take to start (a busy machine makes importing torch slow)."""
 GIVE_UP = 0.25
 """Chance that the engine recomputes instead of reading again after a Failed(interrupted)."""
 MAX_GENERATIONS = 3
@@ -231,8 +234,9 @@ class Engine:
        interrupted, transform_failed or generation_in_flight: the blocks' contents are
        undefined: land the bytes again, then send the same ReadDone with g + 1, or give up and
        recompute (counted as blocks reported invalid). Any other Failed code touched nothing:
-       send the same ReadDone (same g) again once a kvd serves (after unknown_cache: attach
-       first).
+       send the same ReadDone (same g) again once a kvd serves. (An unknown_cache from a
+       restarted kvd needs no attach of its own: every event carries the daemon's epoch, so
+       the subscription raised EventsLost, and step 4 attached, before delivering it.)
     3. Never land bytes again while a generation is in flight (only after its event).
     4. On EventsLost (kvd restarted, or a gap beyond the replay buffer), or no event within
        ``ANSWER_TIMEOUT_S``: send again (same g) every request still waiting; after a restart,
@@ -263,6 +267,8 @@ class Engine:
         self.unsettled: set[tuple[str, int]] = set()
         """Late repeats of this cycle not answered yet."""
         self.late_sent_at = 0.0
+        self.progress_at = 0.0
+        """When a request of the cycle last got its final answer."""
         self.attach_at: float | None = 0.0
         """When to (re-)attach the cache; None while it is attached. Nothing is sent before."""
         self.sub = client.subscribe([CACHE_ID])
@@ -272,15 +278,14 @@ class Engine:
 
     # -- one cycle ------------------------------------------------------------------------------
 
-    def run_cycle(
-        self, cycle: int, plan: CyclePlan, monkey: Monkey, timeout: float = CYCLE_TIMEOUT_S
-    ) -> None:
+    def run_cycle(self, cycle: int, plan: CyclePlan, monkey: Monkey) -> None:
         todo = deque(enumerate(plan.requests))
-        deadline = time.monotonic() + timeout
-        next_send = time.monotonic()
+        self.progress_at = next_send = time.monotonic()
         monkey.start()
-        while time.monotonic() < deadline:
+        while True:
             now = time.monotonic()
+            if now > max(self.progress_at, monkey.finished_at) + STALL_S:
+                break
             self._attach_if_needed(now)
             if self.attach_at is None and todo and now >= next_send:
                 started = len(self.waiting) < CONCURRENCY and self._start(cycle, *todo[0], monkey)
@@ -297,6 +302,7 @@ class Engine:
             if not todo and not self.waiting and not monkey.is_alive() and settled:
                 break
             self._receive(0.01)
+        monkey.stopping.set()  # when stalled: a kill not done yet is not done at all
         monkey.join()
         self.tally.unanswered += len(self.waiting) + len(todo)
         self.tally.requests += len(plan.requests)
@@ -373,19 +379,27 @@ class Engine:
     def _notify(self, r: Tracked, *, deliberate: bool = False) -> None:
         """Send the request's ReadDone (its current generation); ``deliberate``: a repeat sent
         on purpose, not by the contract."""
+        try:
+            self.client.read_done(
+                r.req_id,
+                CACHE_ID,
+                r.blocks,
+                remote_layout="HND",
+                block_size_ratio=r.ratio,
+                generation=r.generation,
+            )
+        except (KvdTimeout, KvdError) as exc:
+            # The client asks kvd whether the cache is attached when it did not see the
+            # Attached reply itself (that attach timed out): not attached, or kvd is down.
+            if isinstance(exc, KvdError) and exc.code != Reason.UNKNOWN_CACHE:
+                raise
+            self.attach_at = r.resend_at = time.monotonic()
+            return
         if deliberate:
             self.tally.repeats_sent += 1
         elif r.sent == r.generation:
             self.tally.resends += 1
         r.sent = r.generation
-        self.client.read_done(
-            r.req_id,
-            CACHE_ID,
-            r.blocks,
-            remote_layout="HND",
-            block_size_ratio=r.ratio,
-            generation=r.generation,
-        )
         r.resend_at = time.monotonic() + ANSWER_TIMEOUT_S
 
     def _attach_if_needed(self, now: float) -> None:
@@ -399,7 +413,18 @@ class Engine:
         except KvdError as exc:
             if exc.code != Reason.CACHE_EXISTS:
                 raise
+            # Ours, from an attach that timed out here: usable once kvd lists it (opening
+            # the memory may still be under way).
+            if not self._listed():
+                self.attach_at = now + RETRY_S
+                return
         self.attach_at = None
+
+    def _listed(self) -> bool:
+        try:
+            return any(c.cache_id == CACHE_ID for c in self.client.status().caches)
+        except KvdTimeout:
+            return False
 
     def _receive(self, timeout: float) -> None:
         try:
@@ -431,13 +456,12 @@ class Engine:
             elif kind == Reason.INTERRUPTED and key not in self.interrupted:
                 self.interrupted.add(key)
                 self.tally.interrupted += 1
-        if isinstance(event, Failed) and event.code == Reason.UNKNOWN_CACHE:
-            self.attach_at = time.monotonic()  # a kvd that restarted: attach, then re-send
         if r.final or event.generation != r.generation:
             return  # a repeat's answer, or an older generation's
         if isinstance(event, Ready):
             self.tally.blocks_verified += self._verify(r)
             r.final = "ready"
+            self.progress_at = time.monotonic()
             del self.waiting[r.req_id]
             self.held.append(r)
             if self.rng.random() < 0.5 and len(self.held) > 1:
@@ -445,6 +469,7 @@ class Engine:
         elif event.code in UNDEFINED:
             if self.rng.random() < GIVE_UP or r.generation + 1 >= MAX_GENERATIONS:
                 r.final = "invalid"
+                self.progress_at = time.monotonic()
                 del self.waiting[r.req_id]
                 self.tally.blocks_invalid += len(r.blocks)
                 self._free(r)
@@ -491,7 +516,8 @@ class Monkey(threading.Thread):
                 time.sleep(self.plan.startup_kill_s)
                 if self._kill(starting):
                     self.tally.startup_kills += 1
-            self.kvd = DaemonProcess(*KVD_ARGS, runtime_dir=self.kvd.runtime_dir).start()
+            again = DaemonProcess(*KVD_ARGS, runtime_dir=self.kvd.runtime_dir)
+            self.kvd = again.start(START_TIMEOUT_S)
         except DaemonError as exc:
             self.error = f"kvd did not start again: {exc}"
         finally:
@@ -555,7 +581,7 @@ def run_chaos(
     started = time.monotonic()
     try:
         content = Content(seed, BIG_BLOCKS)
-        daemon.start()
+        daemon.start(START_TIMEOUT_S)
         with Client(runtime_dir, timeout=CLIENT_TIMEOUT_S) as client:
             engine = Engine(client, cache, content, choices, tally)
             try:
