@@ -9,6 +9,7 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
+import pytest
 import torch
 
 from kvd.bench import chaos
@@ -38,6 +39,7 @@ def test_the_chaos_expectation_agrees_with_the_reference() -> None:
             assert not same_bytes(pages[layer, part, block], want[layer, part, block])
 
 
+@pytest.mark.slow
 def test_random_kills_never_corrupt_a_block_and_every_request_is_answered() -> None:
     # With this seed every cycle kills right after a 128-block request is seen launched (the
     # third one also kills the next kvd while it starts): that rewrite takes tens of
