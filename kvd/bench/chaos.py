@@ -599,9 +599,10 @@ def run_chaos(
             finally:
                 engine.close()
     finally:
-        if monkey is not None:
+        if monkey is not None:  # the cycle was cut short by an exception
             monkey.stopping.set()
-            monkey.join()
+            if monkey.ident is not None:
+                monkey.join()
             daemon = monkey.kvd
             tally.error = tally.error or monkey.error
         tally.elapsed_s = time.monotonic() - started
