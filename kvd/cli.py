@@ -423,6 +423,31 @@ def _add_bench(commands: Any) -> None:
     )
     add_vllm_arguments(vllm)
     vllm.set_defaults(run=_bench_vllm)
+    chaos = _command(
+        which,
+        "chaos",
+        help="exactly once under random SIGKILLs, every block verified byte for byte",
+        description=(
+            "Starts kvd serve and, in this process, an engine that streams requests (HND pages "
+            "into an NHD shared-memory cache at ratio 2 or 4, some sent twice on purpose) and "
+            "follows the engine contract. Each cycle kvd is SIGKILLed at a random point "
+            "(sometimes right after a big request is seen launched, sometimes again while it "
+            "starts) and started again on the same runtime directory, until every request has "
+            "a final answer. Every Ready request's blocks are checked byte for byte against an "
+            "independent statement of the post-process. Exits 1 if a block is corrupt, a request "
+            "is never answered, or kvd contradicts an answer it recorded."
+        ),
+    )
+    chaos.add_argument("--cycles", type=int, default=20, help="kill cycles (default: %(default)s)")
+    chaos.add_argument(
+        "--requests", type=int, default=24, help="requests per cycle (default: %(default)s)"
+    )
+    chaos.add_argument(
+        "--seed", type=int, default=None, help="seed of the plan and the content (default: random)"
+    )
+    chaos.add_argument("--json", action="store_true", help="print one JSON object")
+    add_progress_flag(chaos)
+    chaos.set_defaults(run=_bench_chaos)
 
 
 def _bench_kernels(args: argparse.Namespace) -> int:
@@ -433,6 +458,12 @@ def _bench_kernels(args: argparse.Namespace) -> int:
 
 def _bench_vllm(args: argparse.Namespace) -> int:
     from kvd.bench.vllm import run
+
+    return run(args)
+
+
+def _bench_chaos(args: argparse.Namespace) -> int:
+    from kvd.bench.chaos import run
 
     return run(args)
 

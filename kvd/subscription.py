@@ -12,7 +12,8 @@ also every event of ``UNATTACHED_TOPIC``: refusals of notifications whose cache 
 (a typo, a cache detached meanwhile), so such a request is answered where its engine listens.
 
 Every subscription knows the daemon's epoch (asked at creation; every event carries it), so a
-restarted kvd is noticed on its first event, whatever its sequence numbers. Only when kvd's
+restarted kvd is noticed on its first event, whatever its sequence numbers; events of a daemon
+already replaced, still queued when the new one is noticed, are dropped. Only when kvd's
 replay buffer no longer holds missing events, or kvd restarted, is ``EventsLost`` raised, once,
 after every event that survived has been queued; iteration may continue after it, with the new
 daemon's events of every known topic replayed from its first.
@@ -93,6 +94,8 @@ class _Ordering:
         self.pending: deque[_Gap] = deque([_Gap(UNATTACHED_TOPIC, None)])
         self.pending.extend(_Gap(t, from_seq) for t in topics if t != UNATTACHED_TOPIC)
         self.epoch: int | None = None
+        self.replaced: set[int] = set()
+        """Epochs of daemons this subscription saw replaced by a newer one."""
 
     def live(self, topic_b: bytes, seq_b: bytes, payload: bytes) -> _Gap | None:
         """Take one live event; returns the replay to do first when it needs one.
@@ -104,6 +107,10 @@ class _Ordering:
             return None  # a longer topic that shares the prefix we subscribed to
         seq = decode_seq(seq_b)
         epoch = _EVENT_DECODER.decode(payload).epoch
+        if epoch in self.replaced:
+            # Published by a daemon since replaced, and still queued on the SUB socket (read
+            # in turn with the new connection's events): its EventsLost was raised already.
+            return None
         if epoch and self.epoch is not None and epoch != self.epoch:
             self._restarted(topic, epoch)
         expected = self.expected.setdefault(topic, seq)
@@ -148,6 +155,8 @@ class _Ordering:
 
     def _restarted(self, topic: str, epoch: int) -> None:
         """A new daemon: replay every known topic from its first event, then say so."""
+        if self.epoch:
+            self.replaced.add(self.epoch)
         self.epoch = epoch
         first = self.expected.get(topic, 1)
         self.expected.setdefault(topic, 1)

@@ -33,6 +33,7 @@ def test_version(flag: str) -> None:
         (["serve", "--bogus"], "usage: kvd serve [-h] [--config PATH]"),
         (["status", "--bogus", "x"], "usage: kvd status [-h]"),
         (["bench", "pipeline", "--bogus"], "usage: kvd bench pipeline [-h]"),
+        (["bench", "chaos", "--bogus"], "usage: kvd bench chaos [-h]"),
         (["tune", "--bogus"], "usage: kvd tune [-h]"),
     ],
 )

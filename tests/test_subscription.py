@@ -137,3 +137,25 @@ def test_replay_refusal() -> None:
 def test_from_seq_needs_topics() -> None:
     with pytest.raises(ValueError, match="explicit topics"):
         _Ordering([], 1)
+
+
+def test_a_late_event_of_a_replaced_daemon_is_not_another_restart() -> None:
+    # The SUB socket still holds events the old daemon published before it was killed; they
+    # come through after the subscription learnt of the new daemon, one between each two new
+    # events (fair queuing over the old and the new connection). Each is not a new restart.
+    order = ordering(["c"], None)
+    order.replayed(order.pending.popleft(), [], end(1, 10, epoch=7))
+    live(order, 11)
+    with pytest.raises(EventsLost):
+        order.replayed(_Gap("c", 12), [], end(1, 1, epoch=8))
+    while order.pending:  # the new daemon's events, from its first
+        gap = order.pending.popleft()
+        if gap.topic == "c":
+            order.replayed(gap, [(1, ready(1, epoch=8))], end(1, 1, epoch=8))
+        else:
+            order.replayed(gap, [], end(0, 0, epoch=8))
+    assert delivered(order) == [11, 1]
+    assert order.live(b"c", encode_seq(12), ready(12, epoch=7)) is None  # the old daemon's
+    assert not order.pending and delivered(order) == []
+    assert order.live(b"c", encode_seq(2), ready(2, epoch=8)) is None
+    assert delivered(order) == [2]
