@@ -141,8 +141,14 @@ def test_an_auto_window_applies_when_the_batch_opens_with_the_executor_idle() ->
     for n in range(20):  # a request every 20 us: waiting pays for about 100 - 20 us
         b.add(req(f"r{n}", [n]), n * 20 * US)
         b.take_all()
+    # It waits for the next request two typical gaps (40 us), each arrival moving the deadline,
+    # never past the window (80 us).
     b.add(req("idle", [100]), 400 * US)
-    assert b.next_deadline_ns() == pytest.approx(400 * US + 80 * US, abs=2 * US)
+    assert b.next_deadline_ns() == pytest.approx(440 * US, abs=2 * US)
+    b.add(req("next", [102]), 430 * US)
+    assert b.next_deadline_ns() == pytest.approx(470 * US, abs=2 * US)
+    b.add(req("last", [103]), 460 * US)
+    assert b.next_deadline_ns() == pytest.approx(480 * US, abs=2 * US)
     b.take_all()
     b.add(req("busy", [101]), 420 * US, idle=False)  # it fills while the executor works
     assert b.next_deadline_ns() == 420 * US

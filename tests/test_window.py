@@ -47,6 +47,13 @@ def test_the_window_is_the_launch_cost_less_the_typical_gap() -> None:
     assert auto.last_ns == auto.window_ns(KEY)
 
 
+def test_a_batch_waits_two_typical_gaps_for_the_next_request() -> None:
+    auto = learnt(120, 15)
+    assert auto.patience_ns(KEY) == 0
+    arrivals(auto, [20] * 100)
+    assert auto.patience_ns(KEY) == pytest.approx(40 * US, abs=1 * US)
+
+
 def test_no_window_when_requests_come_more_than_a_launch_apart() -> None:
     auto = learnt(120, 15)
     arrivals(auto, [300] * 100)

@@ -26,6 +26,9 @@ class Batch:
     key: BatchKey
     opened_ns: int
     deadline_ns: int
+    """When the batch is due."""
+    limit_ns: int
+    """The latest its deadline may move to (an auto window moves it while requests arrive)."""
     requests: list[Request] = field(default_factory=list)
     num_blocks: int = 0
 
@@ -60,14 +63,14 @@ class Batcher:
         if isinstance(window, AutoWindow):
             self.auto = window
             for batch in self._open.values():
-                batch.deadline_ns = batch.opened_ns + window.window_ns(batch.key)
+                batch.deadline_ns = batch.limit_ns = batch.opened_ns + window.window_ns(batch.key)
             return
         if window < 0:
             raise ValueError(f"window_ns must be >= 0, got {window}")
         self.auto = None
         self.window_ns = window
         for batch in self._open.values():
-            batch.deadline_ns = batch.opened_ns + window
+            batch.deadline_ns = batch.limit_ns = batch.opened_ns + window
 
     def set_max_blocks(self, max_blocks: int) -> None:
         """A new cap; open batches that reach it become full (due) at once."""
@@ -93,8 +96,10 @@ class Batcher:
         """Put ``request`` into the open batch of its key, opening one if needed.
 
         A request is never split; one larger than ``max_blocks`` gets a batch of its own.
-        ``idle`` says whether the executor could take a job now: with an auto window, a batch
-        that opens while it is busy gets no window (it fills until the executor is free).
+        ``idle`` says whether the executor could take a job now. With an auto window, a batch
+        that opens while it is busy gets no window (it fills until the executor is free); one
+        that opens while it is idle waits while requests keep coming (each arrival moves its
+        deadline to the auto window's patience from now), never past the auto window.
         """
         key = (request.cache_id, request.remote_format, request.remote_block_size)
         n = len(request.physical_block_ids)
@@ -106,9 +111,17 @@ class Batcher:
             self._full.append(self._open.pop(key))
             batch = None
         if batch is None:
-            window = self.window_ns if auto is None else auto.window_ns(key) if idle else 0
-            batch = Batch(key, now_ns, now_ns + window)
+            if auto is None:
+                limit = deadline = now_ns + self.window_ns
+            elif idle:
+                limit = now_ns + auto.window_ns(key)
+                deadline = min(limit, now_ns + auto.patience_ns(key))
+            else:
+                limit = deadline = now_ns
+            batch = Batch(key, now_ns, deadline, limit)
             self._open[key] = batch
+        elif auto is not None:
+            batch.deadline_ns = min(batch.limit_ns, now_ns + auto.patience_ns(key))
         batch.requests.append(request)
         batch.num_blocks += n
         if batch.num_blocks >= self.max_blocks:

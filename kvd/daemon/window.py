@@ -16,6 +16,10 @@ typical gap between requests: a geometric mean of recent gaps, so that a burst (
 answering a batch of events at once) counts as a burst. A batch that opens while the executor
 is busy gets no window at all (``Batcher.add(idle=False)``): it fills anyway until the
 executor is free, and goes then.
+
+The rate holds only while requests keep coming: a closed loop of N clients sends N at most, and
+waiting past the last saves nothing. So a waiting batch also goes as soon as no request came
+for two typical gaps (``patience_ns``): each arrival moves its deadline, never past ``W``.
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ Key = tuple[Hashable, ...]
 
 MAX_AUTO_WINDOW_NS = 1_000_000
 """The auto window never exceeds 1 ms, whatever the estimates say."""
+
+PATIENCE_GAPS = 2
+"""A waiting batch goes when no request came for this many typical gaps."""
 
 _FORGET = 1 / 64
 """Weight of the newest job in the fit (about the last 64 count)."""
@@ -113,6 +120,13 @@ class AutoWindow:
         window = 0 if gap is None else int(min(self.max_ns, max(0.0, self._launch_ns - gap)))
         self.last_ns = window
         return window
+
+    def patience_ns(self, key: Key) -> int:
+        """How long a waiting batch of ``key`` waits for its next request: two typical gaps.
+        When none comes by then, the requests have stopped coming (a closed loop's burst is
+        over) and waiting longer saves nothing."""
+        gap = self.typical_gap_ns(key)
+        return 0 if gap is None else int(PATIENCE_GAPS * gap)
 
     def forget(self, which: Callable[[Key], bool]) -> None:
         """Drop what is known of the keys ``which`` selects (their cache was detached)."""
