@@ -444,7 +444,7 @@ def _add_bench(commands: Any) -> None:
         "--messages",
         type=int,
         default=None,
-        help="notifications per throughput run (default: 20000; with --windows 3000 per run)",
+        help="notifications per throughput run (default: 20000; with --windows 1000 per run)",
     )
     pipeline.add_argument(
         "--latency-samples",

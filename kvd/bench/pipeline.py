@@ -201,8 +201,11 @@ def drive(
     mix: Mix,
     prefix: str = "mix",
     progress: Callable[[int], object] | None = None,
+    latencies_out: list[float] | None = None,
 ) -> Figures:
     """Send ``mix`` to ``target`` and time each notification from send to its event.
+
+    ``latencies_out``, when given, receives every timed latency (us), for pooling runs.
 
     ``make(req_id, slot)`` encodes the notification for ``req_id`` using slot ``slot``'s
     blocks; a slot is used by one notification at a time and slots are reused round-robin, so
@@ -274,6 +277,8 @@ def drive(
             progress(answered - reported)
             reported = answered
     latencies.sort()
+    if latencies_out is not None:
+        latencies_out.extend(latencies)
     elapsed_s = max(last_timed_ns - first_timed_ns, 1) / 1e9
     return Figures(
         throughput=mix.messages / elapsed_s,
