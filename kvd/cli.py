@@ -1,4 +1,4 @@
-"""The ``kvd`` command: serve, tail, status, demo, bench, tune.
+"""The ``kvd`` command: serve, tail, status, set, detach, demo, bench, tune.
 
 Heavy modules (torch, the daemon) are imported inside each command so ``--help`` stays quick.
 Exit codes: 0 success, 1 failure at run time, 2 bad usage or configuration.
@@ -11,7 +11,7 @@ import json
 import os
 import sys
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(commands)
     _add_tail(commands)
     _add_status(commands)
+    _add_set(commands)
+    _add_detach(commands)
     _add_demo(commands)
     _add_bench(commands)
     _add_tune(commands)
@@ -154,6 +156,26 @@ def _client(args: argparse.Namespace) -> Any:
     return Client(args.runtime_dir, gpu=args.gpu, timeout=args.timeout)
 
 
+def _run_client(name: str, args: argparse.Namespace, work: Callable[[Any], int]) -> int:
+    """Run ``work(client)``; kvd's absence, a timeout or an error reply is one line on stderr
+    and exit status 1, never a traceback."""
+    from kvd.client import KvdError, KvdTimeout, KvdUnavailable, ReplayError
+
+    if args.timeout <= 0:
+        print(f"kvd {name}: --timeout must be above 0 seconds", file=sys.stderr)
+        return 2
+    client = _client(args)
+    try:
+        return work(client)
+    except (KvdUnavailable, KvdTimeout, KvdError, ReplayError) as exc:
+        print(f"kvd {name}: {exc}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        return 0
+    finally:
+        client.close()
+
+
 def _add_tail(commands: Any) -> None:
     tail = _command(
         commands,
@@ -183,32 +205,27 @@ def _add_tail(commands: Any) -> None:
 
 
 def _tail(args: argparse.Namespace) -> int:
-    from kvd.client import EventsLost, ReplayError
-
     if args.from_seq is not None and not args.cache:
         print("kvd tail: --from-seq needs at least one --cache", file=sys.stderr)
         return 2
-    client = _client(args)
+    return _run_client("tail", args, lambda client: _print_events(client, args))
+
+
+def _print_events(client: Any, args: argparse.Namespace) -> int:
+    from kvd.client import EventsLost
+
     shown = 0
-    try:
-        with client.subscribe(args.cache, from_seq=args.from_seq) as events:
-            while args.count is None or shown < args.count:
-                try:
-                    delivery = next(events)
-                except EventsLost as exc:
-                    print(f"kvd tail: {exc}", file=sys.stderr)
-                    continue
-                except ReplayError as exc:
-                    print(f"kvd tail: {exc}", file=sys.stderr)
-                    return 1
-                fields = msgspec.to_builtins(delivery.event)
-                line = {"topic": delivery.topic, "seq": delivery.seq, **fields}
-                print(json.dumps(line), flush=True)
-                shown += 1
-    except BrokenPipeError:
-        return 0
-    finally:
-        client.close()
+    with client.subscribe(args.cache, from_seq=args.from_seq) as events:
+        while args.count is None or shown < args.count:
+            try:
+                delivery = next(events)
+            except EventsLost as exc:
+                print(f"kvd tail: {exc}", file=sys.stderr)
+                continue
+            fields = msgspec.to_builtins(delivery.event)
+            line = {"topic": delivery.topic, "seq": delivery.seq, **fields}
+            print(json.dumps(line), flush=True)
+            shown += 1
     return 0
 
 
@@ -226,24 +243,90 @@ def _add_status(commands: Any) -> None:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from kvd.client import KvdError, KvdTimeout
-
-    client = _client(args)
-    try:
+    def show(client: Any) -> int:
         reply = client.request_status(args.req) if args.req else client.status()
-    except KvdTimeout as exc:
-        print(f"kvd status: {exc}", file=sys.stderr)
-        return 1
-    except KvdError as exc:
-        print(f"kvd status: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        client.close()
-    if args.json:
-        print(json.dumps(msgspec.to_builtins(reply), indent=2))
+        if args.json:
+            print(json.dumps(msgspec.to_builtins(reply), indent=2))
+        else:
+            print(format_status(reply))
+        return 0
+
+    return _run_client("status", args, show)
+
+
+def _add_set(commands: Any) -> None:
+    cmd = _command(
+        commands,
+        "set",
+        help="change the batching of a running kvd, without a restart",
+        description=(
+            "Change a setting of the running kvd at once: batch-window-us (microseconds, "
+            "0..1000000, or 'auto') or max-batch-blocks. Batches already waiting get the new "
+            "value. Only kvd's own user or root may, over the ipc control socket. Prints the "
+            "settings in force; the configuration file is not changed."
+        ),
+    )
+    _add_locator(cmd)
+    cmd.add_argument("setting", choices=["batch-window-us", "max-batch-blocks"])
+    cmd.add_argument("value", help="N, or 'auto' for batch-window-us")
+    cmd.set_defaults(run=_set)
+
+
+def _set(args: argparse.Namespace) -> int:
+    value: int | str
+    if args.setting == "batch-window-us" and args.value == "auto":
+        value = "auto"
     else:
-        print(format_status(reply))
-    return 0
+        try:
+            value = int(args.value)
+        except ValueError:
+            expected = "an integer" + (" or 'auto'" if args.setting == "batch-window-us" else "")
+            print(
+                f"kvd set: {args.setting}: expected {expected}, got {args.value!r}", file=sys.stderr
+            )
+            return 2
+
+    def change(client: Any) -> int:
+        settings = client.configure(**{args.setting.replace("-", "_"): value})
+        auto = " (auto)" if settings.batch_window_auto else ""
+        print(
+            f"batch window {settings.batch_window_us} us{auto}, max {settings.max_batch_blocks} "
+            "blocks per batch"
+        )
+        return 0
+
+    return _run_client("set", args, change)
+
+
+def _add_detach(commands: Any) -> None:
+    cmd = _command(
+        commands,
+        "detach",
+        help="detach a cache (an operator's, with --force)",
+        description=(
+            "Detach a cache and release kvd's mapping of its memory. Without --force it is "
+            "refused while requests of the cache are in flight, and unless you attached it "
+            "(--engine-id names its engine). With --force, as kvd's own user or root: its "
+            "requests not yet started get Failed(cache_detached), the started ones finish, then "
+            "it is detached."
+        ),
+    )
+    _add_locator(cmd)
+    cmd.add_argument("cache_id", metavar="CACHE_ID")
+    cmd.add_argument("--engine-id", default="", help="the engine that attached it")
+    cmd.add_argument(
+        "--force", action="store_true", help="as an operator: answer its requests, then detach"
+    )
+    cmd.set_defaults(run=_detach)
+
+
+def _detach(args: argparse.Namespace) -> int:
+    def detach(client: Any) -> int:
+        client.detach(args.cache_id, engine_id=args.engine_id, force=args.force)
+        print(f"detached {args.cache_id}")
+        return 0
+
+    return _run_client("detach", args, detach)
 
 
 def format_status(reply: Any) -> str:
@@ -260,19 +343,25 @@ def format_status(reply: Any) -> str:
     lines = [
         f"kvd {reply.version} (protocol {reply.protocol_version}), pid {reply.pid}, "
         f"up {reply.uptime_s:.0f}s",
-        f"device {reply.device}, batch window {reply.batch_window_us} us, "
-        f"max {reply.max_batch_blocks} blocks per batch, {reply.in_flight} requests in flight",
+        f"device {reply.device}, batch window {reply.batch_window_us} us"
+        f"{' (auto)' if reply.batch_window_auto else ''}, max {reply.max_batch_blocks} blocks "
+        f"per batch, {reply.in_flight} requests in flight, engine lease "
+        + (f"{reply.engine_lease_s:g}s" if reply.engine_lease_s else "off"),
         "",
     ]
-    rows = [("CACHE", "BLOCKS", "BLOCK SIZE", "TENSORS", "MiB", "IN FLIGHT")]
+    rows = [
+        ("CACHE", "ENGINE", "BLOCKS", "BLOCK SIZE", "TENSORS", "MiB", "IN FLIGHT", "ENGINE STATE")
+    ]
     rows += [
         (
             c.cache_id,
+            c.engine_id or "-",
             str(c.num_blocks),
             str(c.block_size),
             str(c.num_tensors),
             f"{c.nbytes / 2**20:.1f}",
             str(c.in_flight),
+            _engine_state(c),
         )
         for c in reply.caches
     ]
@@ -288,6 +377,14 @@ def format_status(reply: Any) -> str:
             [("REJECTED", "COUNT"), *((k, str(v)) for k, v in reply.rejections.items())]
         )
     return "\n".join(lines)
+
+
+def _engine_state(cache: Any) -> str:
+    if cache.detaching:
+        return "detaching"
+    if cache.expires_in_s is not None:
+        return f"gone, detached in {cache.expires_in_s:.0f}s"
+    return "attached"
 
 
 # -- demo ---------------------------------------------------------------------------------------
@@ -346,8 +443,8 @@ def _add_bench(commands: Any) -> None:
     pipeline.add_argument(
         "--messages",
         type=int,
-        default=20000,
-        help="notifications per throughput run (default: %(default)s)",
+        default=None,
+        help="notifications per throughput run (default: 20000; with --windows 1000 per run)",
     )
     pipeline.add_argument(
         "--latency-samples",
@@ -366,18 +463,37 @@ def _add_bench(commands: Any) -> None:
     )
     pipeline.add_argument(
         "--transform",
-        choices=["none", "layout"],
+        choices=["none", "layout", "merge"],
         default="none",
         help=(
             "none: NHD notifications into an NHD cache, the pipeline's own cost (default); "
-            "layout: real HND->NHD rewrites on kvd's side (the relays still do none)"
+            "layout: real HND->NHD rewrites on kvd's side (the relays still do none); "
+            "merge (with --windows): HND 16-token pages merged into NHD 64-token blocks"
         ),
     )
     pipeline.add_argument(
         "--batch-window-us",
-        type=int,
+        type=_batch_window,
         default=None,
-        help="kvd's batch window for the run (default: kvd's default)",
+        help="kvd's batch window for the run, microseconds or 'auto' (default: kvd's default)",
+    )
+    windows = pipeline.add_argument_group(
+        "windows",
+        "With --windows, compare batch windows instead: one kvd, the window changed live "
+        "between runs, every load and window in each round; auto against the best fixed window.",
+    )
+    windows.add_argument(
+        "--windows",
+        metavar="LIST",
+        help="windows to compare, microseconds or 'auto', e.g. 0,25,50,100,200,400,auto",
+    )
+    windows.add_argument(
+        "--concurrency",
+        metavar="LIST",
+        help="closed-loop loads: notifications in flight (default: 1,4,16)",
+    )
+    windows.add_argument(
+        "--rates", metavar="LIST", help="open-loop loads instead: notifications per second"
     )
     pipeline.set_defaults(run=_bench_pipeline)
     kernels = _command(
@@ -469,9 +585,25 @@ def _bench_chaos(args: argparse.Namespace) -> int:
 
 
 def _bench_pipeline(args: argparse.Namespace) -> int:
+    if args.windows:
+        from kvd.bench.windows import run as compare_windows
+
+        return compare_windows(args)
     from kvd.bench.pipeline import run
 
     return run(args)
+
+
+def _batch_window(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected microseconds or 'auto', got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected microseconds >= 0, got {value}")
+    return value
 
 
 # -- tune ---------------------------------------------------------------------------------------

@@ -4,6 +4,10 @@
 runtime directory (``endpoints.json``) or by explicit endpoints. Their ``subscribe`` returns a
 subscription that yields events in sequence order per topic and replays gaps
 (``kvd.subscription``); ``ShmCache`` allocates a cache in shared memory for CPU use.
+
+No call waits without a deadline (``timeout``), and a client found by its runtime directory
+fails fast with ``KvdUnavailable`` ("kvd (pid N) is not running at DIR", "no kvd at DIR") when
+no daemon serves it: checked before it first connects, and again when a wait times out.
 """
 
 from __future__ import annotations
@@ -17,10 +21,19 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from kvd.endpoints import Endpoints, default_runtime_dir, read_endpoints
+from kvd.endpoints import (
+    Endpoints,
+    KvdUnavailable,
+    check_running,
+    default_runtime_dir,
+    read_endpoints,
+)
 from kvd.protocol import (
     Attach,
     Attached,
+    BatchWindow,
+    Configure,
+    Configured,
     ControlReply,
     ControlRequest,
     DaemonStatus,
@@ -28,7 +41,9 @@ from kvd.protocol import (
     Detached,
     Error,
     FormatRef,
+    Heartbeat,
     Layout,
+    Lease,
     Ping,
     Pong,
     ReadDone,
@@ -58,6 +73,20 @@ class KvdTimeout(TimeoutError):
     """kvd did not answer in time (is it running? is the runtime dir right?)."""
 
 
+def resolve_runtime_dir(
+    runtime_dir: str | Path | None = None,
+    *,
+    gpu: str = "0",
+    endpoints: Endpoints | None = None,
+) -> Path | None:
+    """The runtime directory a client looks in (None when given explicit endpoints)."""
+    if endpoints is not None:
+        return None
+    if runtime_dir is None:
+        runtime_dir = os.environ.get("KVD_RUNTIME_DIR") or default_runtime_dir(gpu)
+    return Path(runtime_dir)
+
+
 def resolve_endpoints(
     runtime_dir: str | Path | None = None,
     *,
@@ -66,9 +95,37 @@ def resolve_endpoints(
 ) -> Endpoints:
     if endpoints is not None:
         return endpoints
-    if runtime_dir is None:
-        runtime_dir = os.environ.get("KVD_RUNTIME_DIR") or default_runtime_dir(gpu)
-    return read_endpoints(runtime_dir)
+    found = resolve_runtime_dir(runtime_dir, gpu=gpu)
+    assert found is not None
+    return read_endpoints(found)
+
+
+class _Locator:
+    """Where a client's daemon is, and whether one is there (see ``check_running``)."""
+
+    def __init__(
+        self, runtime_dir: str | Path | None, gpu: str, endpoints: Endpoints | None
+    ) -> None:
+        self.runtime_dir = resolve_runtime_dir(runtime_dir, gpu=gpu, endpoints=endpoints)
+        self._endpoints = endpoints
+
+    def endpoints(self) -> Endpoints:
+        """The endpoints, read afresh from the runtime directory (a restarted kvd on TCP port 0
+        binds new ports)."""
+        if self._endpoints is not None:
+            return self._endpoints
+        assert self.runtime_dir is not None
+        return read_endpoints(self.runtime_dir)
+
+    def check(self) -> None:
+        """Raise ``KvdUnavailable`` when no daemon serves the runtime directory."""
+        if self.runtime_dir is not None:
+            check_running(self.runtime_dir)
+
+    def timed_out(self, what: str, timeout: float) -> KvdTimeout:
+        """The error for a wait that timed out: ``KvdUnavailable`` if the daemon is gone."""
+        self.check()
+        return KvdTimeout(f"{what} in {timeout:g}s")
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -166,7 +223,9 @@ class Client:
         endpoints: Endpoints | None = None,
         timeout: float = DEFAULT_TIMEOUT_S,
     ) -> None:
-        self.endpoints = resolve_endpoints(runtime_dir, gpu=gpu, endpoints=endpoints)
+        self._locator = _Locator(runtime_dir, gpu, endpoints)
+        self.runtime_dir = self._locator.runtime_dir
+        self.endpoints = self._locator.endpoints()
         self.timeout = timeout
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._control: zmq.Socket[bytes] | None = None
@@ -204,6 +263,24 @@ class Client:
         result: RequestStatus = _unwrap(reply, RequestStatus)
         return result
 
+    def configure(
+        self,
+        *,
+        batch_window_us: BatchWindow | None = None,
+        max_batch_blocks: int | None = None,
+    ) -> Configured:
+        """Change the batching of the running kvd (only as kvd's user or root, over ipc); with
+        no argument, only ask. Returns the settings in force."""
+        request = Configure(batch_window_us=batch_window_us, max_batch_blocks=max_batch_blocks)
+        result: Configured = _unwrap(self._call(request), Configured)
+        return result
+
+    def heartbeat(self, engine_id: str) -> Lease:
+        """Tell kvd engine ``engine_id`` is alive. Once an engine sent one, kvd detaches its
+        caches when none comes for ``Lease.lease_s``: call it every third of that."""
+        result: Lease = _unwrap(self._call(Heartbeat(engine_id=engine_id)), Lease)
+        return result
+
     def _call(self, request: ControlRequest) -> ControlReply:
         sock = self._control_socket()
         sock.send_multipart([b"", _ENCODER.encode(request)])
@@ -211,12 +288,16 @@ class Client:
             # A late reply would be taken for the next request's: start over with a new socket.
             sock.close()
             self._control = None
-            raise KvdTimeout(f"no reply from kvd at {self.endpoints.control} in {self.timeout}s")
+            raise self._locator.timed_out(
+                f"no reply from kvd at {self.endpoints.control}", self.timeout
+            )
         frames = sock.recv_multipart()
         return _REPLY_DECODER.decode(frames[-1])
 
     def _control_socket(self) -> zmq.Socket[bytes]:
         if self._control is None:
+            self._locator.check()
+            self.endpoints = self._locator.endpoints()
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(self.endpoints.control)
@@ -281,6 +362,7 @@ class Client:
     def send_raw(self, frame: bytes) -> None:
         """Send one already-encoded frame on the ingest socket (tests and tools)."""
         if self._push is None:
+            self._locator.check()
             sock = self._ctx.socket(zmq.PUSH)
             # Keep unsent notifications for a while on close: losing one strands a request.
             sock.setsockopt(zmq.LINGER, int(self.timeout * 1000))
@@ -293,8 +375,14 @@ class Client:
 
     def subscribe(self, topics: Iterable[str] = (), *, from_seq: int | None = None) -> Subscription:
         """Events of ``topics`` (cache ids; all if empty). With ``from_seq``, start there."""
+        self._locator.check()
         return Subscription(
-            self._ctx, self.endpoints, topics, from_seq=from_seq, timeout=self.timeout
+            self._ctx,
+            self.endpoints,
+            topics,
+            from_seq=from_seq,
+            timeout=self.timeout,
+            check=self._locator.check,
         )
 
     def close(self) -> None:
@@ -323,7 +411,9 @@ class AsyncClient:
         endpoints: Endpoints | None = None,
         timeout: float = DEFAULT_TIMEOUT_S,
     ) -> None:
-        self.endpoints = resolve_endpoints(runtime_dir, gpu=gpu, endpoints=endpoints)
+        self._locator = _Locator(runtime_dir, gpu, endpoints)
+        self.runtime_dir = self._locator.runtime_dir
+        self.endpoints = self._locator.endpoints()
         self.timeout = timeout
         self._ctx = zmq.asyncio.Context()
         self._control: zmq.asyncio.Socket | None = None
@@ -359,8 +449,26 @@ class AsyncClient:
         result: RequestStatus = _unwrap(reply, RequestStatus)
         return result
 
+    async def configure(
+        self,
+        *,
+        batch_window_us: BatchWindow | None = None,
+        max_batch_blocks: int | None = None,
+    ) -> Configured:
+        """As ``Client.configure``."""
+        request = Configure(batch_window_us=batch_window_us, max_batch_blocks=max_batch_blocks)
+        result: Configured = _unwrap(await self._call(request), Configured)
+        return result
+
+    async def heartbeat(self, engine_id: str) -> Lease:
+        """As ``Client.heartbeat``."""
+        result: Lease = _unwrap(await self._call(Heartbeat(engine_id=engine_id)), Lease)
+        return result
+
     async def _call(self, request: ControlRequest) -> ControlReply:
         if self._control is None:
+            self._locator.check()
+            self.endpoints = self._locator.endpoints()
             self._control = self._ctx.socket(zmq.DEALER)
             self._control.setsockopt(zmq.LINGER, 0)
             self._control.connect(self.endpoints.control)
@@ -369,7 +477,9 @@ class AsyncClient:
         if not await sock.poll(int(self.timeout * 1000)):
             sock.close()
             self._control = None
-            raise KvdTimeout(f"no reply from kvd at {self.endpoints.control} in {self.timeout}s")
+            raise self._locator.timed_out(
+                f"no reply from kvd at {self.endpoints.control}", self.timeout
+            )
         frames = await sock.recv_multipart()
         return _REPLY_DECODER.decode(frames[-1])
 
@@ -423,6 +533,7 @@ class AsyncClient:
 
     async def send_raw(self, frame: bytes) -> None:
         if self._push is None:
+            self._locator.check()
             self._push = self._ctx.socket(zmq.PUSH)
             self._push.setsockopt(zmq.LINGER, int(self.timeout * 1000))
             self._push.setsockopt(zmq.SNDHWM, 0)
@@ -433,8 +544,14 @@ class AsyncClient:
         self, topics: Iterable[str] = (), *, from_seq: int | None = None
     ) -> AsyncSubscription:
         """Events of ``topics`` (cache ids; all if empty), for ``async for``."""
+        self._locator.check()
         return AsyncSubscription(
-            self._ctx, self.endpoints, topics, from_seq=from_seq, timeout=self.timeout
+            self._ctx,
+            self.endpoints,
+            topics,
+            from_seq=from_seq,
+            timeout=self.timeout,
+            check=self._locator.check,
         )
 
     def close(self) -> None:
@@ -463,6 +580,7 @@ __all__ = [
     "EventsLost",
     "KvdError",
     "KvdTimeout",
+    "KvdUnavailable",
     "ReplayError",
     "ShmCache",
     "Subscription",

@@ -10,7 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvd.client import Client, KvdTimeout
+from kvd.client import Client, KvdTimeout, KvdUnavailable
 from kvd.endpoints import Endpoints, read_endpoints
 
 
@@ -59,6 +59,8 @@ class DaemonProcess:
                 return self
             except KvdTimeout:
                 pass
+            except KvdUnavailable:
+                time.sleep(0.02)  # not started yet: found without waiting, so ask again soon
             finally:
                 client.close()
         self.kill()

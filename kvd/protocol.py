@@ -61,6 +61,11 @@ CacheIdRef = Annotated[str, msgspec.Meta(max_length=CACHE_ID_MAX)]
 """A cache id in a notification: only its length is checked there (the registry knows the rest)."""
 ReqId = Annotated[str, msgspec.Meta(min_length=1, max_length=REQ_ID_MAX)]
 
+MAX_BATCH_WINDOW_US: Final = 1_000_000
+BatchWindow = Annotated[int, msgspec.Meta(ge=0, le=MAX_BATCH_WINDOW_US)] | Literal["auto"]
+"""A batching window in microseconds, or ``"auto"``: kvd picks it from what it observes."""
+BatchBlocks = Annotated[int, msgspec.Meta(ge=1)]
+
 UNATTACHED_TOPIC: Final = "*"
 """Events topic of rejections whose cache is not attached (a typo, a detached cache): every
 ``kvd.client`` subscription listens to it, so such a request never hangs unanswered."""
@@ -125,6 +130,8 @@ class Reason(enum.StrEnum):
     STALE_GENERATION = "stale_generation"
     GENERATION_IN_FLIGHT = "generation_in_flight"
     INVALID_FORMAT = "invalid_format"
+    NOT_PERMITTED = "not_permitted"
+    CACHE_DETACHED = "cache_detached"
     INTERNAL = "internal"
 
 
@@ -190,7 +197,11 @@ class Attach(_Message, tag="attach"):
     """Make a KV cache known to kvd. Every tensor must have the same num_blocks and block_size.
 
     ``engine_id`` names the engine that owns the cache: it, or the connection that attached,
-    may detach it.
+    may detach it. An Attach of an attached ``cache_id`` with the same non-empty ``engine_id``
+    (a restarted engine) replaces the old cache once its requests are answered; any other is
+    refused with ``cache_exists``. A cache is detached when its engine is gone: its control
+    connection closed, or, once the engine sent a ``Heartbeat``, no Heartbeat came, for
+    ``engine_lease_s``.
     """
 
     cache_id: CacheId
@@ -199,10 +210,12 @@ class Attach(_Message, tag="attach"):
 
 
 class Detach(_Message, tag="detach"):
-    """Forget a cache. Refused with ``cache_busy`` while any of its requests is in flight, and
-    with ``not_owner`` unless it comes from the connection that attached the cache, names the
-    same non-empty ``engine_id``, or is an operator's ``force`` from kvd's own user (or root)
-    over an ipc socket."""
+    """Forget a cache and release its memory. Refused with ``not_owner`` unless it comes from
+    the connection that attached the cache, names the same non-empty ``engine_id``, or is an
+    operator's ``force`` from kvd's own user (or root) over an ipc socket. Without ``force`` it
+    is refused with ``cache_busy`` while any of the cache's requests is in flight; with it,
+    those not yet launched get ``Failed(cache_detached)``, the launched ones finish and are
+    published, and then the cache is detached and ``Detached`` sent."""
 
     cache_id: str
     engine_id: str = ""
@@ -221,7 +234,24 @@ class Ping(_Message, tag="ping"):
     pass
 
 
-ControlRequest = Attach | Detach | Status | Ping
+class Configure(_Message, tag="configure"):
+    """Change the batching of a running kvd; a field left out keeps its value. Answered with
+    ``Configured``, the settings in force. Only kvd's own user (or root) over an ipc socket may
+    send it (``not_permitted`` otherwise)."""
+
+    batch_window_us: BatchWindow | None = None
+    max_batch_blocks: BatchBlocks | None = None
+
+
+class Heartbeat(_Message, tag="heartbeat"):
+    """Engine ``engine_id`` is alive: renews the lease of every cache it attached, and makes the
+    sending connection theirs. Once an engine has sent one, its caches are detached when no
+    Heartbeat comes for ``engine_lease_s``; send one every third of it."""
+
+    engine_id: Annotated[str, msgspec.Meta(min_length=1)]
+
+
+ControlRequest = Attach | Detach | Status | Ping | Configure | Heartbeat
 
 
 # Control socket: replies. Every request gets exactly one reply: a result or an Error.
@@ -253,12 +283,19 @@ class RequestStatus(_Message, tag="request_status"):
 
 
 class CacheInfo(msgspec.Struct, omit_defaults=True, gc=False, kw_only=True):
+    """``expires_in_s``: seconds until kvd detaches the cache because its engine is gone
+    (None while the engine holds it); ``detaching``: being detached, its requests answered
+    first."""
+
     cache_id: str
     num_blocks: int
     block_size: int
     num_tensors: int
     nbytes: int
     in_flight: int = 0
+    engine_id: str = ""
+    expires_in_s: float | None = None
+    detaching: bool = False
 
 
 class DaemonStatus(_Message, tag="daemon_status"):
@@ -268,11 +305,14 @@ class DaemonStatus(_Message, tag="daemon_status"):
     uptime_s: float
     device: str
     batch_window_us: int
+    """The window in force; with ``batch_window_auto``, kvd's latest choice."""
     max_batch_blocks: int
     in_flight: int
     caches: list[CacheInfo] = []
     counters: dict[str, int] = {}
     rejections: dict[str, int] = {}
+    batch_window_auto: bool = False
+    engine_lease_s: float = 0.0
 
 
 class Pong(_Message, tag="pong"):
@@ -281,12 +321,31 @@ class Pong(_Message, tag="pong"):
     pid: int
 
 
+class Configured(_Message, tag="configured"):
+    """The batching settings in force (``batch_window_us``: kvd's latest choice when auto)."""
+
+    batch_window_us: int
+    max_batch_blocks: int
+    batch_window_auto: bool = False
+
+
+class Lease(_Message, tag="lease"):
+    """Answer to a Heartbeat: the caches of ``engine_id`` and how long they are held without
+    another one (0: no lease, they are held until detached)."""
+
+    engine_id: str
+    lease_s: float
+    cache_ids: list[str] = []
+
+
 class Error(_Message, tag="error"):
     code: str
     message: str
 
 
-ControlReply = Attached | Detached | RequestStatus | DaemonStatus | Pong | Error
+ControlReply = (
+    Attached | Detached | RequestStatus | DaemonStatus | Pong | Configured | Lease | Error
+)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -85,6 +85,12 @@ def golden_messages() -> dict[str, tuple[str, Any]]:
         "status": ("control_request", p.Status()),
         "status_request": ("control_request", p.Status(req_id="req-1")),
         "ping": ("control_request", p.Ping()),
+        "configure": ("control_request", p.Configure(batch_window_us=50)),
+        "configure_auto": (
+            "control_request",
+            p.Configure(batch_window_us="auto", max_batch_blocks=4096),
+        ),
+        "heartbeat": ("control_request", p.Heartbeat(engine_id="decode-0")),
         "attached": (
             "control_reply",
             p.Attached(
@@ -121,6 +127,14 @@ def golden_messages() -> dict[str, tuple[str, Any]]:
             ),
         ),
         "pong": ("control_reply", p.Pong(version="0.1.0", protocol_version=1, pid=4242)),
+        "configured": (
+            "control_reply",
+            p.Configured(batch_window_us=40, max_batch_blocks=4096, batch_window_auto=True),
+        ),
+        "lease": (
+            "control_reply",
+            p.Lease(engine_id="decode-0", lease_s=30.0, cache_ids=["engine0"]),
+        ),
         "error": (
             "control_reply",
             p.Error(code="unknown_cache", message="cache_id: 'x' is not attached"),

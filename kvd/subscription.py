@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,7 +59,8 @@ class EventsLost(Exception):
 
 
 class ReplayError(Exception):
-    """kvd refused or did not answer a replay request."""
+    """kvd refused or did not answer a replay request (a subscription of a client found by its
+    runtime directory raises ``KvdUnavailable`` instead when no kvd serves it any more)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,7 +187,22 @@ def _replay_request(gap: _Gap) -> bytes:
     return _ENCODER.encode(Replay(topic=gap.topic, from_seq=from_seq))
 
 
-class Subscription(Iterator[Delivery]):
+class _Replays:
+    _check: Callable[[], None] | None
+    _endpoints: Endpoints
+    _timeout_ms: int
+
+    def _no_answer(self) -> ReplayError:
+        """The error for a replay that got no answer: ``KvdUnavailable`` (raised by ``check``)
+        when no daemon is there any more."""
+        if self._check is not None:
+            self._check()
+        return ReplayError(
+            f"no replay answer from {self._endpoints.replay} in {self._timeout_ms / 1000:g}s"
+        )
+
+
+class Subscription(_Replays, Iterator[Delivery]):
     """Synchronous subscription to ``topics`` (cache ids; every topic when empty).
 
     With ``from_seq`` each topic is first replayed from that seq, so a subscriber that starts
@@ -202,8 +218,10 @@ class Subscription(Iterator[Delivery]):
         from_seq: int | None = None,
         timeout: float = 10.0,
         resync_interval: float = DEFAULT_RESYNC_INTERVAL,
+        check: Callable[[], None] | None = None,
     ) -> None:
         self._order = _Ordering(list(topics), from_seq)
+        self._check = check
         self._ctx = ctx
         self._endpoints = endpoints
         self._timeout_ms = int(timeout * 1000)
@@ -214,8 +232,12 @@ class Subscription(Iterator[Delivery]):
         # delivered even if the SUB connection is still being set up when they are published.
         # Replays from ``from_seq`` wait for the first poll, which may raise EventsLost.
         pending = self._order.pending
-        while pending and pending[0].from_seq is None:
-            self._replay(pending.popleft())
+        try:
+            while pending and pending[0].from_seq is None:
+                self._replay(pending.popleft())
+        except BaseException:
+            self._sub.close()
+            raise
 
     def __next__(self) -> Delivery:
         while True:
@@ -255,7 +277,7 @@ class Subscription(Iterator[Delivery]):
             sock.send(_replay_request(gap))
             while True:
                 if not sock.poll(self._timeout_ms):
-                    raise ReplayError(f"no replay answer from {self._endpoints.replay}")
+                    raise self._no_answer()
                 _, seq_b, payload = sock.recv_multipart()
                 seq = decode_seq(seq_b)
                 if seq == END_SEQ:
@@ -275,7 +297,7 @@ class Subscription(Iterator[Delivery]):
         self.close()
 
 
-class AsyncSubscription(AsyncIterator[Delivery]):
+class AsyncSubscription(_Replays, AsyncIterator[Delivery]):
     """The asyncio flavour of ``Subscription`` (``async for``; may raise EventsLost and go on).
 
     The baseline replay of explicit topics happens on the first ``__anext__``; events published
@@ -291,8 +313,10 @@ class AsyncSubscription(AsyncIterator[Delivery]):
         from_seq: int | None = None,
         timeout: float = 10.0,
         resync_interval: float = DEFAULT_RESYNC_INTERVAL,
+        check: Callable[[], None] | None = None,
     ) -> None:
         self._order = _Ordering(list(topics), from_seq)
+        self._check = check
         self._ctx = ctx
         self._endpoints = endpoints
         self._timeout_ms = int(timeout * 1000)
@@ -324,7 +348,7 @@ class AsyncSubscription(AsyncIterator[Delivery]):
             await sock.send(_replay_request(gap))
             while True:
                 if not await sock.poll(self._timeout_ms):
-                    raise ReplayError(f"no replay answer from {self._endpoints.replay}")
+                    raise self._no_answer()
                 _, seq_b, payload = await sock.recv_multipart()
                 seq = decode_seq(seq_b)
                 if seq == END_SEQ:

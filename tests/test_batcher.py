@@ -6,6 +6,7 @@ import pytest
 
 from kvd.daemon.batcher import Batcher
 from kvd.daemon.ledger import Request
+from kvd.daemon.window import AutoWindow
 
 US = 1000
 
@@ -94,3 +95,60 @@ def test_bad_settings() -> None:
         Batcher(window_ns=-1, max_blocks=1)
     with pytest.raises(ValueError, match="max_blocks"):
         Batcher(window_ns=0, max_blocks=0)
+
+
+def test_a_new_window_moves_the_deadlines_of_waiting_batches() -> None:
+    b = Batcher(window_ns=10**9, max_blocks=100)
+    b.add(req("a", [1]), 10 * US)
+    assert b.take_due(20 * US) == []
+    b.set_window(5 * US)  # kvd set batch-window-us 5: the waiting batch is overdue now
+    assert b.next_deadline_ns() == 15 * US
+    assert [r.req_id for r in b.take_due(20 * US)[0].requests] == ["a"]
+    b.add(req("b", [2]), 30 * US)
+    b.set_window(100 * US)
+    assert b.take_due(129 * US) == [] and b.next_deadline_ns() == 130 * US
+
+
+def test_a_lower_cap_makes_batches_that_reach_it_due() -> None:
+    b = Batcher(window_ns=10**9, max_blocks=100)
+    b.add(req("a", [1, 2, 3]), 0)
+    b.add(req("b", [4], cache="other"), 0)
+    b.set_max_blocks(3)
+    (due,) = b.take_due(1)
+    assert [r.req_id for r in due.requests] == ["a"]
+    assert b.next_deadline_ns() == 10**9
+    with pytest.raises(ValueError, match="max_blocks"):
+        b.set_max_blocks(0)
+
+
+def test_take_cache_removes_only_that_caches_batches() -> None:
+    b = Batcher(window_ns=10**9, max_blocks=2)
+    b.add(req("a", [1, 2]), 0)  # full
+    b.add(req("b", [3]), 0)  # open
+    b.add(req("c", [4], layout="NHD"), 0)
+    b.add(req("d", [5], cache="other"), 0)
+    taken = b.take_cache("c")
+    assert sorted(r.req_id for batch in taken for r in batch.requests) == ["a", "b", "c"]
+    assert [r.req_id for batch in b.take_all() for r in batch.requests] == ["d"]
+
+
+def test_an_auto_window_applies_when_the_batch_opens_with_the_executor_idle() -> None:
+    auto = AutoWindow()
+    for n in range(16):  # jobs of 1..4 blocks costing 100 us + 10 us per block
+        blocks = 1 + n % 4
+        auto.job(blocks, 100 * US + blocks * 10 * US)
+    b = Batcher(window_ns=auto, max_blocks=100)
+    for n in range(20):  # a request every 20 us: waiting pays for about 100 - 20 us
+        b.add(req(f"r{n}", [n]), n * 20 * US)
+        b.take_all()
+    # It waits for the next request two typical gaps (40 us), each arrival moving the deadline,
+    # never past the window (80 us).
+    b.add(req("idle", [100]), 400 * US)
+    assert b.next_deadline_ns() == pytest.approx(440 * US, abs=2 * US)
+    b.add(req("next", [102]), 430 * US)
+    assert b.next_deadline_ns() == pytest.approx(470 * US, abs=2 * US)
+    b.add(req("last", [103]), 460 * US)
+    assert b.next_deadline_ns() == pytest.approx(480 * US, abs=2 * US)
+    b.take_all()
+    b.add(req("busy", [101]), 420 * US, idle=False)  # it fills while the executor works
+    assert b.next_deadline_ns() == 420 * US

@@ -26,8 +26,10 @@ def test_precedence_file_env_flags(tmp_path: Path) -> None:
     [
         (
             "batch_window_us = 'soon'",
-            r"kvd.toml: Expected `int`, got `str` - at `\$.batch_window_us`",
+            r"kvd.toml: Invalid enum value 'soon' - at `\$.batch_window_us` \(expected "
+            r"microseconds \(0..1000000\) or 'auto'\)",
         ),
+        ("engine_lease_s = -1", r"Expected `float` >= 0.0 - at `\$.engine_lease_s`"),
         ("batch_window_us = -1", r"Expected `int` >= 0 - at `\$.batch_window_us`"),
         ("batch_windw_us = 1", "unknown field `batch_windw_us`"),
         ("log_level = 'loud'", r"Invalid enum value 'loud' - at `\$.log_level`"),
@@ -39,6 +41,18 @@ def test_file_errors_name_the_field(tmp_path: Path, text: str, message: str) -> 
     path.write_text(text + "\n")
     with pytest.raises(ConfigError, match=message):
         load_config(path, environ={})
+
+
+def test_the_window_may_be_auto_from_every_source(tmp_path: Path) -> None:
+    path = tmp_path / "kvd.toml"
+    path.write_text('batch_window_us = "auto"\nengine_lease_s = 0\n')
+    assert load_config(path, environ={}).batch_window_us == "auto"
+    assert load_config(path, environ={}).engine_lease_s == 0
+    assert load_config(environ={"KVD_BATCH_WINDOW_US": "auto"}).batch_window_us == "auto"
+    flag = load_config(path, environ={}, overrides={"batch_window_us": "75"})
+    assert flag.batch_window_us == 75
+    with pytest.raises(ConfigError, match=r"--batch-window-us='soon'.*or 'auto'"):
+        load_config(environ={}, overrides={"batch_window_us": "soon"})
 
 
 def test_env_and_flag_errors_name_the_source() -> None:

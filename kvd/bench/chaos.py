@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 import torch
 
-from kvd.client import Client, EventsLost, KvdError, KvdTimeout, ReplayError
+from kvd.client import Client, EventsLost, KvdError, KvdTimeout, KvdUnavailable, ReplayError
 from kvd.daemon_process import DaemonError, DaemonProcess
 from kvd.progress import progress_bar
 from kvd.protocol import Event, Ready, Reason
@@ -73,6 +73,8 @@ START_TIMEOUT_S = 120.0
 GIVE_UP = 0.25
 """Chance that the engine recomputes instead of reading again after a Failed(interrupted)."""
 MAX_GENERATIONS = 3
+KVD_DOWN = (KvdTimeout, KvdUnavailable)
+"""What a client call raises while kvd is killed or starting again: wait and retry."""
 
 UNDEFINED = frozenset({Reason.INTERRUPTED, Reason.TRANSFORM_FAILED, Reason.GENERATION_IN_FLIGHT})
 """Failed codes after which the blocks' contents are undefined (read again or recompute)."""
@@ -388,7 +390,7 @@ class Engine:
                 block_size_ratio=r.ratio,
                 generation=r.generation,
             )
-        except (KvdTimeout, KvdError) as exc:
+        except (KvdTimeout, KvdUnavailable, KvdError) as exc:
             # The client asks kvd whether the cache is attached when it did not see the
             # Attached reply itself (that attach timed out): not attached, or kvd is down.
             if isinstance(exc, KvdError) and exc.code != Reason.UNKNOWN_CACHE:
@@ -407,7 +409,7 @@ class Engine:
             return
         try:
             self.client.attach(CACHE_ID, self.cache.specs)
-        except KvdTimeout:
+        except KVD_DOWN:
             self.attach_at = now + RETRY_S
             return
         except KvdError as exc:
@@ -423,7 +425,7 @@ class Engine:
     def _listed(self) -> bool:
         try:
             return any(c.cache_id == CACHE_ID for c in self.client.status().caches)
-        except KvdTimeout:
+        except KVD_DOWN:
             return False
 
     def _receive(self, timeout: float) -> None:
@@ -437,7 +439,7 @@ class Engine:
             for r in self.waiting.values():
                 r.resend_at = now
             return
-        except ReplayError:
+        except (ReplayError, KvdUnavailable):
             return  # kvd is down: the restart shows as EventsLost once it is back
         if delivery is not None:
             self._answer(delivery.event)
@@ -532,7 +534,7 @@ class Monkey(threading.Thread):
             while not self.stopping.is_set():
                 try:
                     state = client.request_status(self.target, CACHE_ID).state
-                except KvdTimeout:
+                except KVD_DOWN:
                     continue
                 if state == "launched":
                     self.tally.launched_kills += 1

@@ -29,7 +29,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from kvd.client import read_done_message
+from kvd.client import Client, read_done_message
 from kvd.daemon_process import DaemonProcess
 from kvd.progress import progress_bar
 from kvd.protocol import Layout
@@ -201,8 +201,11 @@ def drive(
     mix: Mix,
     prefix: str = "mix",
     progress: Callable[[int], object] | None = None,
+    latencies_out: list[float] | None = None,
 ) -> Figures:
     """Send ``mix`` to ``target`` and time each notification from send to its event.
+
+    ``latencies_out``, when given, receives every timed latency (us), for pooling runs.
 
     ``make(req_id, slot)`` encodes the notification for ``req_id`` using slot ``slot``'s
     blocks; a slot is used by one notification at a time and slots are reused round-robin, so
@@ -274,6 +277,8 @@ def drive(
             progress(answered - reported)
             reported = answered
     latencies.sort()
+    if latencies_out is not None:
+        latencies_out.extend(latencies)
     elapsed_s = max(last_timed_ns - first_timed_ns, 1) / 1e9
     return Figures(
         throughput=mix.messages / elapsed_s,
@@ -288,6 +293,11 @@ FLOORS = ("relay-api", "relay-raw")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.transform == "merge":
+        print("kvd bench pipeline: --transform merge is for --windows", file=sys.stderr)
+        return 2
+    if args.messages is None:
+        args.messages = 20000
     quiet = args.json or args.no_progress
     windows = _windows(args)
     if args.transform == "layout":
@@ -325,6 +335,7 @@ def run(args: argparse.Namespace) -> int:
     relays: dict[str, subprocess.Popen[bytes]] = {}
     targets: dict[str, Target] = {}
     rounds: dict[str, list[Figures]] = {name: [] for name in ("kvd", *FLOORS)}
+    client: Client | None = None
     try:
         for name in FLOORS:
             flavour = name.removeprefix("relay-")
@@ -337,9 +348,11 @@ def run(args: argparse.Namespace) -> int:
                 raise RuntimeError(f"the {name} relay did not start")
             targets[name] = Target(ctx, ingest, events)
         daemon.start()
-        with daemon.client() as client:
-            client.attach(CACHE_ID, cache.specs)
-            window = client.status().batch_window_us
+        # Open for the whole run: the cache is held by this connection (engine_lease_s).
+        client = daemon.client()
+        client.attach(CACHE_ID, cache.specs)
+        status = client.status()
+        window = "auto" if status.batch_window_auto else status.batch_window_us
         endpoints = daemon.endpoints()
         targets["kvd"] = Target(ctx, endpoints.ingest, endpoints.events)
         makers = {name: _messages(name, args.blocks, args.transform, windows) for name in targets}
@@ -367,6 +380,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for target in targets.values():
             target.close()
+        if client is not None:
+            client.close()
         ctx.term()
         for relay in relays.values():
             relay.kill()
@@ -396,7 +411,7 @@ def _ratios(kvd: list[Figures], floor: list[Figures]) -> dict[str, float]:
 
 
 def _report(
-    args: argparse.Namespace, window: int, rounds: dict[str, list[Figures]]
+    args: argparse.Namespace, window: int | str, rounds: dict[str, list[Figures]]
 ) -> dict[str, object]:
     ratios = {floor: _ratios(rounds["kvd"], rounds[floor]) for floor in FLOORS}
     against = ratios["relay-api"]

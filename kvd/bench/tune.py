@@ -203,9 +203,10 @@ def _measure_window(
         runtime_dir=work / f"kvd-{window_us}-{visit}",
     )
     daemon.start()
+    # Open for the whole run: the cache is held by this connection (engine_lease_s).
+    client = daemon.client()
     try:
-        with daemon.client() as client:
-            client.attach(CACHE_ID, cache.specs)
+        client.attach(CACHE_ID, cache.specs)
         endpoints = daemon.endpoints()
         target = Target(ctx, endpoints.ingest, endpoints.events, topic=CACHE_ID)
         try:
@@ -227,6 +228,7 @@ def _measure_window(
         finally:
             target.close()
     finally:
+        client.close()
         try:
             daemon.stop()
         finally:

@@ -2,9 +2,12 @@
 
 Pure logic, driven by the caller's clock. Requests are grouped by (cache, remote format,
 remote block size), the key under which one kernel pass can rewrite all their blocks. A batch
-becomes due when its oldest request has waited ``window_ns`` or it holds ``max_blocks`` blocks; the
-daemon takes due batches whenever the executor can accept work, so while the executor is busy
-batches keep filling up (up to ``max_blocks``) instead of queueing many small passes.
+becomes due when its oldest request has waited the window or it holds ``max_blocks`` blocks;
+the daemon takes due batches whenever the executor can accept work, so while the executor is
+busy batches keep filling up (up to ``max_blocks``) instead of queueing many small passes.
+
+The window is fixed (``window_ns``) or picked per batch by an ``AutoWindow`` when the batch
+opens. Both settings may change while batches wait: a new fixed window moves their deadlines.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvd.daemon.ledger import RemoteFormat, Request
+from kvd.daemon.window import AutoWindow
 
 BatchKey = tuple[str, RemoteFormat, int]
 """(cache_id, remote_format, remote_block_size)."""
@@ -21,6 +25,10 @@ BatchKey = tuple[str, RemoteFormat, int]
 class Batch:
     key: BatchKey
     opened_ns: int
+    deadline_ns: int
+    """When the batch is due."""
+    limit_ns: int
+    """The latest its deadline may move to (an auto window moves it while requests arrive)."""
     requests: list[Request] = field(default_factory=list)
     num_blocks: int = 0
 
@@ -41,15 +49,37 @@ class Batch:
 
 
 class Batcher:
-    def __init__(self, window_ns: int, max_blocks: int) -> None:
-        if window_ns < 0:
-            raise ValueError(f"window_ns must be >= 0, got {window_ns}")
-        if max_blocks < 1:
-            raise ValueError(f"max_blocks must be >= 1, got {max_blocks}")
-        self.window_ns = window_ns
-        self.max_blocks = max_blocks
+    def __init__(self, window_ns: int | AutoWindow, max_blocks: int) -> None:
+        self.window_ns = 0
+        self.auto: AutoWindow | None = None
+        self.max_blocks = 1
         self._open: dict[BatchKey, Batch] = {}
         self._full: list[Batch] = []
+        self.set_window(window_ns)
+        self.set_max_blocks(max_blocks)
+
+    def set_window(self, window: int | AutoWindow) -> None:
+        """A fixed window in ns, or an ``AutoWindow``; batches already waiting get it too."""
+        if isinstance(window, AutoWindow):
+            self.auto = window
+            for batch in self._open.values():
+                batch.deadline_ns = batch.limit_ns = batch.opened_ns + window.window_ns(batch.key)
+            return
+        if window < 0:
+            raise ValueError(f"window_ns must be >= 0, got {window}")
+        self.auto = None
+        self.window_ns = window
+        for batch in self._open.values():
+            batch.deadline_ns = batch.limit_ns = batch.opened_ns + window
+
+    def set_max_blocks(self, max_blocks: int) -> None:
+        """A new cap; open batches that reach it become full (due) at once."""
+        if max_blocks < 1:
+            raise ValueError(f"max_blocks must be >= 1, got {max_blocks}")
+        self.max_blocks = max_blocks
+        for key, batch in list(self._open.items()):
+            if batch.num_blocks >= max_blocks:
+                self._full.append(self._open.pop(key))
 
     def __len__(self) -> int:
         """Requests waiting in batches."""
@@ -62,20 +92,36 @@ class Batcher:
         """Whether any request waits in a batch (cheaper than ``len``)."""
         return bool(self._open or self._full)
 
-    def add(self, request: Request, now_ns: int) -> Batch:
+    def add(self, request: Request, now_ns: int, *, idle: bool = True) -> Batch:
         """Put ``request`` into the open batch of its key, opening one if needed.
 
         A request is never split; one larger than ``max_blocks`` gets a batch of its own.
+        ``idle`` says whether the executor could take a job now. With an auto window, a batch
+        that opens while it is busy gets no window (it fills until the executor is free); one
+        that opens while it is idle waits while requests keep coming (each arrival moves its
+        deadline to the auto window's patience from now), never past the auto window.
         """
         key = (request.cache_id, request.remote_format, request.remote_block_size)
         n = len(request.physical_block_ids)
+        auto = self.auto
+        if auto is not None:
+            auto.arrival(key, now_ns)
         batch = self._open.get(key)
         if batch is not None and batch.num_blocks + n > self.max_blocks:
             self._full.append(self._open.pop(key))
             batch = None
         if batch is None:
-            batch = Batch(key, now_ns)
+            if auto is None:
+                limit = deadline = now_ns + self.window_ns
+            elif idle:
+                limit = now_ns + auto.window_ns(key)
+                deadline = min(limit, now_ns + auto.patience_ns(key))
+            else:
+                limit = deadline = now_ns
+            batch = Batch(key, now_ns, deadline, limit)
             self._open[key] = batch
+        elif auto is not None:
+            batch.deadline_ns = min(batch.limit_ns, now_ns + auto.patience_ns(key))
         batch.requests.append(request)
         batch.num_blocks += n
         if batch.num_blocks >= self.max_blocks:
@@ -87,7 +133,7 @@ class Batcher:
         due = self._full
         self._full = []
         for key, batch in list(self._open.items()):
-            if now_ns - batch.opened_ns >= self.window_ns:
+            if now_ns >= batch.deadline_ns:
                 due.append(self._open.pop(key))
         due.sort(key=lambda b: b.opened_ns)
         return due
@@ -100,10 +146,18 @@ class Batcher:
         batches.sort(key=lambda b: b.opened_ns)
         return batches
 
+    def take_cache(self, cache_id: str) -> list[Batch]:
+        """Every waiting batch of ``cache_id`` (its cache is being detached)."""
+        taken = [b for b in self._full if b.cache_id == cache_id]
+        self._full = [b for b in self._full if b.cache_id != cache_id]
+        for key in [k for k in self._open if k[0] == cache_id]:
+            taken.append(self._open.pop(key))
+        return taken
+
     def next_deadline_ns(self) -> int | None:
         """When the earliest open batch becomes due; None when nothing waits on a window."""
         if self._full:
             return 0
         if not self._open:
             return None
-        return min(b.opened_ns for b in self._open.values()) + self.window_ns
+        return min(b.deadline_ns for b in self._open.values())

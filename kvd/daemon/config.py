@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from kvd.daemon.metrics_http import parse_metrics_addr
+from kvd.protocol import BatchWindow
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 LogFormat = Literal["auto", "text", "json"]
@@ -77,20 +78,23 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         ),
     ] = False
     batch_window_us: Annotated[
-        int,
-        msgspec.Meta(
-            ge=0,
-            le=1_000_000,
-            description=(
-                "Longest time (microseconds) the first request of a batch waits for others while "
-                "the executor is idle. 0 launches at once; batches still fill while the executor "
-                "is busy."
-            ),
+        BatchWindow,
+        _doc(
+            "Longest time (microseconds) the first request of a batch waits for others while "
+            "the executor is idle. 0 launches at once; batches still fill while the executor "
+            "is busy. 'auto': kvd picks the window from the arrival rate and the launch cost it "
+            "observes. `kvd set batch-window-us` changes it without a restart."
         ),
     ] = 0
     max_batch_blocks: Annotated[
         int,
-        msgspec.Meta(ge=1, description="A batch is launched once it holds this many blocks."),
+        msgspec.Meta(
+            ge=1,
+            description=(
+                "A batch is launched once it holds this many blocks. `kvd set max-batch-blocks` "
+                "changes it without a restart."
+            ),
+        ),
     ] = 8192
     replay_buffer: Annotated[
         int,
@@ -141,6 +145,17 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             ),
         ),
     ] = 10.0
+    engine_lease_s: Annotated[
+        float,
+        msgspec.Meta(
+            ge=0,
+            description=(
+                "How long (seconds) a cache outlives its engine: once the engine's control "
+                "connection closed, or, for an engine that sends Heartbeats, after its last one, "
+                "kvd answers the cache's requests and detaches it. 0: caches stay until detached."
+            ),
+        ),
+    ] = 30.0
     log_level: Annotated[LogLevel, _doc("Log threshold.")] = "info"
     log_format: Annotated[
         LogFormat,
@@ -201,7 +216,11 @@ def _read_file(path: Path) -> dict[str, Any]:
     try:
         config = msgspec.toml.decode(data, type=Config)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise ConfigError(f"{path}: {exc}") from exc
+        text = str(exc)
+        expected = next((e for n, e in _EXPECTED.items() if text.endswith(f"`$.{n}`")), "")
+        raise ConfigError(
+            f"{path}: {text}" + (f" (expected {expected})" if expected else "")
+        ) from exc
     present = msgspec.toml.decode(data)
     return {k: getattr(config, k) for k in present}
 
@@ -241,13 +260,18 @@ def warn_unknown_env(environ: Mapping[str, str] | None = None) -> None:
         log.warning("%s", message)
 
 
+# What a value must look like, for fields whose type msgspec's own message does not say.
+_EXPECTED = {"batch_window_us": "microseconds (0..1000000) or 'auto'"}
+
+
 def _convert(name: str, value: Any, source: str) -> Any:
     try:
         converted = msgspec.convert(value, FIELDS[name], strict=False)
         if name in _CHECKS:
             _CHECKS[name](converted)
     except (msgspec.ValidationError, ValueError) as exc:
-        raise ConfigError(f"{source}={value!r}: {exc}") from exc
+        expected = f" (expected {_EXPECTED[name]})" if name in _EXPECTED else ""
+        raise ConfigError(f"{source}={value!r}: {exc}{expected}") from exc
     return converted
 
 

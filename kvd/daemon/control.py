@@ -1,9 +1,16 @@
-"""The control socket: Attach, Detach, Status and Ping, each answered with one reply.
+"""The control socket: Attach, Detach, Status, Ping, Configure and Heartbeat, each answered
+with one reply.
 
 Requests arrive on a ROUTER; REQ clients send (identity, empty, body) and DEALER clients
 (identity, body); the reply reuses the same envelope. Opening an Attach's memory runs in a
 worker thread, so a slow open never stalls ingest. A cache remembers who attached it (the
 connection and the engine id): only they, or an operator running as kvd's user, may detach it.
+
+Engines come and go (``leases.py`` decides when one is gone): a cache whose engine is gone, an
+operator's forced Detach, and an Attach by the same engine of a cache it already holds (a
+restart) all detach the cache the same way. New notifications for it are refused, those not
+yet launched get Failed(cache_detached), the launched ones finish and are published, and only
+then is its memory released.
 """
 
 from __future__ import annotations
@@ -11,8 +18,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
-import struct
 import time
 from typing import TYPE_CHECKING
 
@@ -21,22 +26,29 @@ import zmq
 
 from kvd import __version__
 from kvd.daemon.attach import open_cache
+from kvd.daemon.leases import Leases
 from kvd.daemon.ledger import State
 from kvd.daemon.memory import AttachError
 from kvd.daemon.metrics import Metrics
 from kvd.daemon.pipeline import Pipeline
-from kvd.daemon.registry import Owner, Registry
+from kvd.daemon.registry import AttachedCache, Owner, Registry
+from kvd.daemon.sockets import Connection, is_operator
+from kvd.daemon.timers import Every
 from kvd.protocol import (
     PROTOCOL_VERSION,
     Attach,
     Attached,
     CacheInfo,
+    Configure,
+    Configured,
     ControlReply,
     ControlRequest,
     DaemonStatus,
     Detach,
     Detached,
     Error,
+    Heartbeat,
+    Lease,
     Ping,
     Pong,
     Reason,
@@ -46,7 +58,7 @@ from kvd.protocol import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Coroutine
 
     from kvd.daemon.config import Config
 
@@ -58,6 +70,8 @@ _STATE_NAMES: dict[State, RequestState] = {
     State.LAUNCHED: "launched",
     State.DONE: "done",
 }
+LEASE_CHECKS_PER_LEASE = 4
+"""How often, per lease, kvd looks whether engines' connections are still open (at most 1/s)."""
 
 
 class Control:
@@ -79,13 +93,19 @@ class Control:
         self._started = time.monotonic()
         self._tasks: set[asyncio.Task[None]] = set()
         self._opening: set[str] = set()
+        self._detaching: dict[str, asyncio.Task[None]] = {}
+        self.leases = Leases(config.engine_lease_s)
+        self._lease_timer: Every | None = None
+        if config.engine_lease_s:
+            interval = min(1.0, config.engine_lease_s / LEASE_CHECKS_PER_LEASE)
+            self._lease_timer = Every(asyncio.get_running_loop(), interval, self.check_leases)
         self.after_reply: Callable[[], None] | None = None
         """Called after each reply: attach replies leave from a task, outside the socket's reader
         (see ``SocketReader.poke``)."""
 
     def on_request(self, frames: list[zmq.Frame]) -> None:
         """One request, received with ``copy=False``: the last frame's source descriptor tells
-        who sent it (for an operator's forced Detach)."""
+        who sent it (for operators' requests, and engines' connections)."""
         if len(frames) < 2:
             log.warning("control message without an envelope (%d frames) ignored", len(frames))
             self._metrics.rejections.inc(Reason.INVALID_MESSAGE)
@@ -107,16 +127,25 @@ class Control:
             )
             return
         if isinstance(request, Attach):
-            task = asyncio.get_running_loop().create_task(self._attach(envelope, request))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-            return
-        if isinstance(request, Detach):
-            self._send(envelope, self._detach(request, envelope[0], frames[-1]))
-            return
-        self._send(envelope, self._answer(request))
+            owner = Owner(envelope[0], request.engine_id, Connection.of(frames[-1]))
+            self._spawn(self._attach(envelope, request, owner))
+        elif isinstance(request, Detach):
+            self._detach(envelope, request, frames[-1])
+        elif isinstance(request, Configure):
+            self._send(envelope, self._configure(request, frames[-1]))
+        elif isinstance(request, Heartbeat):
+            owner = Owner(envelope[0], request.engine_id, Connection.of(frames[-1]))
+            self._send(envelope, self._heartbeat(owner))
+        else:
+            self._send(envelope, self._answer(request))
 
-    def _decode(self, body: bytes) -> Attach | Detach | Status | Ping | Error:
+    def _spawn(self, coro: Coroutine[None, None, None]) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _decode(self, body: bytes) -> ControlRequest | Error:
         if len(body) > self._config.max_message_bytes:
             return self._error(
                 Reason.MESSAGE_TOO_LARGE,
@@ -134,17 +163,39 @@ class Control:
             return self.daemon_status()
         return self.request_status(request.req_id, request.cache_id)
 
-    async def _attach(self, envelope: list[bytes], request: Attach) -> None:
+    # -- caches ---------------------------------------------------------------------------------
+
+    async def _attach(self, envelope: list[bytes], request: Attach, owner: Owner) -> None:
         cache_id = request.cache_id
-        if cache_id in self._registry or cache_id in self._opening:
+        old = self._registry.get(cache_id)
+        same_engine = (
+            old is not None and bool(owner.engine_id) and old.owner.engine_id == owner.engine_id
+        )
+        if cache_id in self._opening or (old is not None and not same_engine):
+            by = f" by engine {old.owner.engine_id!r}" if old and old.owner.engine_id else ""
             self._send(
                 envelope,
-                self._error(Reason.CACHE_EXISTS, f"cache_id: {cache_id!r} is already attached"),
+                self._error(
+                    Reason.CACHE_EXISTS,
+                    f"cache_id: {cache_id!r} is already attached{by}; the same engine_id "
+                    "replaces it",
+                ),
             )
             return
         self._opening.add(cache_id)
-        owner = Owner(routing_id=envelope[0], engine_id=request.engine_id)
         try:
+            if old is not None:
+                log.info(
+                    "engine %r attached cache %r again (restarted?): the old one is detached "
+                    "once its requests are answered",
+                    owner.engine_id,
+                    cache_id,
+                )
+                await self._detach_when_answered(
+                    old,
+                    f"engine {owner.engine_id!r} attached cache {cache_id!r} again: the requests "
+                    "of the earlier attach that were not started are not done",
+                )
             cache = await asyncio.to_thread(open_cache, request, self._registry.device, owner)
             try:
                 self._registry.add(cache)
@@ -156,9 +207,11 @@ class Control:
             return
         finally:
             self._opening.discard(cache_id)
+        self.leases.attached(cache_id, owner.engine_id)
         log.info(
-            "attached cache %r: %d tensors, %d blocks of %d tokens, %.1f MiB",
+            "attached cache %r%s: %d tensors, %d blocks of %d tokens, %.1f MiB",
             cache_id,
+            f" of engine {owner.engine_id!r}" if owner.engine_id else "",
             len(cache.tensors),
             cache.num_blocks,
             cache.block_size,
@@ -175,40 +228,177 @@ class Control:
             ),
         )
 
-    def _detach(self, request: Detach, routing_id: bytes, frame: zmq.Frame) -> ControlReply:
+    def _detach(self, envelope: list[bytes], request: Detach, frame: zmq.Frame) -> None:
         cache_id = request.cache_id
         cache = self._registry.get(cache_id)
         if cache is None:
-            return self._error(Reason.UNKNOWN_CACHE, f"cache_id: {cache_id!r} is not attached")
+            self._send(
+                envelope,
+                self._error(Reason.UNKNOWN_CACHE, f"cache_id: {cache_id!r} is not attached"),
+            )
+            return
         owner = cache.owner
-        allowed = routing_id == owner.routing_id or (
+        allowed = envelope[0] == owner.routing_id or (
             bool(owner.engine_id) and request.engine_id == owner.engine_id
         )
         if not allowed and request.force:
-            uid = _peer_uid(frame)
-            allowed = uid is not None and uid in (0, os.geteuid())
+            allowed, uid = is_operator(frame)
+            if not allowed:
+                self._send(
+                    envelope,
+                    self._error(
+                        Reason.NOT_OWNER,
+                        "force: only kvd's user or root may force a detach, over an ipc socket "
+                        f"(the peer is uid {uid if uid is not None else 'unknown'})",
+                    ),
+                )
+                return
+        if not allowed:
+            self._send(
+                envelope,
+                self._error(
+                    Reason.NOT_OWNER,
+                    f"cache_id: {cache_id!r} was attached by another connection"
+                    + (f" (engine {owner.engine_id!r})" if owner.engine_id else "")
+                    + "; detach it from there, with its engine_id, or as an operator with force",
+                ),
+            )
+            return
+        busy = self._pipeline.ledger.in_flight(cache_id)
+        if busy and not request.force:
+            self._send(
+                envelope,
+                self._error(
+                    Reason.CACHE_BUSY,
+                    f"cache_id: {cache_id!r} has {busy} requests in flight; detach after they "
+                    "finish, or with force to answer them first",
+                ),
+            )
+            return
+        if not busy and cache.detaching is None:
+            self._release(cache)
+            self._send(envelope, Detached(cache_id=cache_id))
+            return
+
+        async def detach_then_reply() -> None:
+            await self._detach_when_answered(
+                cache, f"cache {cache_id!r} was detached before these requests were started"
+            )
+            self._send(envelope, Detached(cache_id=cache_id))
+
+        self._spawn(detach_then_reply())
+
+    async def _detach_when_answered(self, cache: AttachedCache, why: str) -> None:
+        """Refuse new notifications for ``cache``, fail its waiting requests with ``why``, let
+        the launched ones finish, then release it. Concurrent callers share one detach."""
+        task = self._detaching.get(cache.cache_id)
+        if task is None:
+            task = self._spawn(self._detach_cache(cache, why))
+            self._detaching[cache.cache_id] = task
+        await asyncio.shield(task)
+
+    async def _detach_cache(self, cache: AttachedCache, why: str) -> None:
+        cache_id = cache.cache_id
+        try:
+            cache.detaching = why
+            self.leases.detached(cache_id)
+            failed = self._pipeline.fail_waiting(cache_id, why)
+            launched = self._pipeline.ledger.in_flight(cache_id)
+            if failed or launched:
+                log.warning(
+                    "detaching cache %r: %d requests not started answered with "
+                    "Failed(cache_detached); waiting for %d being rewritten",
+                    cache_id,
+                    failed,
+                    launched,
+                )
+            await self._pipeline.wait_cache_idle(cache_id)
+            self._release(cache)
+        finally:
+            del self._detaching[cache_id]
+
+    def _release(self, cache: AttachedCache) -> None:
+        self._registry.remove(cache.cache_id)
+        self.leases.detached(cache.cache_id)
+        log.info("detached cache %r; its memory is released", cache.cache_id)
+
+    # -- engines --------------------------------------------------------------------------------
+
+    def _heartbeat(self, owner: Owner) -> Lease:
+        renewed = self.leases.heartbeat(owner.engine_id, time.monotonic())
+        for cache_id in renewed:
+            cache = self._registry.get(cache_id)
+            if cache is not None:
+                cache.owner = owner  # the engine may have reconnected: this is its connection now
+        return Lease(engine_id=owner.engine_id, lease_s=self.leases.lease_s, cache_ids=renewed)
+
+    def check_leases(self) -> None:
+        """Start the lease of caches whose engine's connection closed; detach expired ones."""
+        now = time.monotonic()
+        lease_s = self.leases.lease_s
+        for cache_id in self.leases.watched():
+            cache = self._registry.get(cache_id)
+            connection = cache.owner.connection if cache is not None else None
+            if cache is None or connection is None or connection.is_open():
+                continue
+            if self.leases.connection_closed(cache_id, now):
+                log.warning(
+                    "cache %r: the control connection of %s closed; it is detached in %gs "
+                    "unless the engine comes back (Heartbeat or Attach)",
+                    cache_id,
+                    f"engine {cache.owner.engine_id!r}" if cache.owner.engine_id else "its engine",
+                    lease_s,
+                )
+        for cache_id in self.leases.expired(now):
+            cache = self._registry.get(cache_id)
+            self.leases.detached(cache_id)
+            if cache is None or cache.detaching is not None:
+                continue
+            self._metrics.leases_expired.value += 1
+            engine = f"engine {cache.owner.engine_id!r}" if cache.owner.engine_id else "its engine"
+            log.warning(
+                "cache %r: %s is gone (lease of %gs ran out): detaching it",
+                cache_id,
+                engine,
+                lease_s,
+            )
+            self._spawn(
+                self._detach_when_answered(
+                    cache,
+                    f"{engine} is gone (no connection or heartbeat for {lease_s:g}s): cache "
+                    f"{cache_id!r} was detached before these requests were started",
+                )
+            )
+
+    # -- settings -------------------------------------------------------------------------------
+
+    def _configure(self, request: Configure, frame: zmq.Frame) -> ControlReply:
+        changes = {
+            name: value
+            for name in ("batch_window_us", "max_batch_blocks")
+            if (value := getattr(request, name)) is not None
+        }
+        if changes:
+            allowed, uid = is_operator(frame)
             if not allowed:
                 return self._error(
-                    Reason.NOT_OWNER,
-                    f"force: only kvd's user or root may force a detach, over an ipc socket "
-                    f"(the peer is uid {uid if uid is not None else 'unknown'})",
+                    Reason.NOT_PERMITTED,
+                    f"{', '.join(changes)}: only kvd's user or root may change settings, over "
+                    f"an ipc socket (the peer is uid {uid if uid is not None else 'unknown'})",
                 )
-        if not allowed:
-            return self._error(
-                Reason.NOT_OWNER,
-                f"cache_id: {cache_id!r} was attached by another connection"
-                + (f" (engine {owner.engine_id!r})" if owner.engine_id else "")
-                + "; detach it from there, with its engine_id, or as an operator with force",
-            )
-        busy = self._pipeline.ledger.in_flight(cache_id)
-        if busy:
-            return self._error(
-                Reason.CACHE_BUSY,
-                f"cache_id: {cache_id!r} has {busy} requests in flight; detach after they finish",
-            )
-        self._registry.remove(cache_id)
-        log.info("detached cache %r", cache_id)
-        return Detached(cache_id=cache_id)
+            self._pipeline.configure(request.batch_window_us, request.max_batch_blocks)
+            log.info("settings changed: %s", ", ".join(f"{k} = {v}" for k, v in changes.items()))
+        return self.configured()
+
+    def configured(self) -> Configured:
+        pipeline = self._pipeline
+        return Configured(
+            batch_window_us=pipeline.batch_window_us,
+            max_batch_blocks=pipeline.batcher.max_blocks,
+            batch_window_auto=pipeline.batcher.auto is not None,
+        )
+
+    # -- status ---------------------------------------------------------------------------------
 
     def request_status(self, req_id: str, cache_id: str = "") -> RequestStatus:
         ledger = self._pipeline.ledger
@@ -236,14 +426,17 @@ class Control:
 
     def daemon_status(self) -> DaemonStatus:
         ledger = self._pipeline.ledger
+        now = time.monotonic()
         return DaemonStatus(
             version=__version__,
             protocol_version=PROTOCOL_VERSION,
             pid=os.getpid(),
             uptime_s=round(time.monotonic() - self._started, 3),
             device=str(self._registry.device),
-            batch_window_us=self._config.batch_window_us,
-            max_batch_blocks=self._config.max_batch_blocks,
+            batch_window_us=self._pipeline.batch_window_us,
+            max_batch_blocks=self._pipeline.batcher.max_blocks,
+            batch_window_auto=self._pipeline.batcher.auto is not None,
+            engine_lease_s=self.leases.lease_s,
             in_flight=len(ledger),
             caches=[
                 CacheInfo(
@@ -253,6 +446,9 @@ class Control:
                     num_tensors=len(c.tensors),
                     nbytes=c.nbytes,
                     in_flight=ledger.in_flight(c.cache_id),
+                    engine_id=c.owner.engine_id,
+                    expires_in_s=self.leases.expires_in(c.cache_id, now),
+                    detaching=c.detaching is not None,
                 )
                 for c in self._registry.caches()
             ],
@@ -272,28 +468,8 @@ class Control:
             self.after_reply()
 
     async def close(self) -> None:
+        if self._lease_timer is not None:
+            self._lease_timer.cancel()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-
-
-_UCRED = struct.Struct("3i")
-
-
-def _peer_uid(frame: zmq.Frame) -> int | None:
-    """The uid of the process that sent ``frame`` over an ipc socket (None over TCP)."""
-    try:
-        fd = frame.get(zmq.SRCFD)
-        peer = socket.socket(fileno=os.dup(fd))
-    except (zmq.ZMQError, OSError):
-        return None
-    try:
-        uid: int
-        _, uid, _ = _UCRED.unpack(
-            peer.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
-        )
-    except OSError:
-        return None
-    finally:
-        peer.close()
-    return uid

@@ -187,6 +187,11 @@ class Metrics:
             "Notifications kvd already knew (answered from the recorded outcome, or by the "
             "event of the one still in flight); none rewrites a block.",
         )
+        self.leases_expired = self.counter(
+            "kvd_leases_expired_total",
+            "Caches detached because their engine was gone (connection closed or no heartbeat "
+            "for engine_lease_s).",
+        )
         self.handler_errors = self.labelled_counter(
             "kvd_handler_errors_total",
             "Messages whose handling raised (a bug or hostile input); the reader went on.",

@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 
 import msgspec
@@ -31,8 +32,10 @@ from kvd.daemon.publisher import Publisher
 from kvd.daemon.registry import Registry
 from kvd.daemon.timers import WindowTimer
 from kvd.daemon.validate import Accept, InFlight, Rejection, Repeat, identify, validate_read_done
+from kvd.daemon.window import AutoWindow
 from kvd.protocol import (
     UNATTACHED_TOPIC,
+    BatchWindow,
     Failed,
     IngestMessage,
     MessageHeader,
@@ -65,7 +68,7 @@ class Pipeline:
         metrics: Metrics,
         journal: Journal,
         *,
-        batch_window_us: int,
+        batch_window_us: BatchWindow,
         max_batch_blocks: int,
         max_message_bytes: int,
         executor_factory: Callable[[asyncio.AbstractEventLoop, Callable[[Job], None]], Executor]
@@ -77,7 +80,9 @@ class Pipeline:
         self.metrics = metrics
         self.journal = journal
         self.ledger = Ledger()
-        self.batcher = Batcher(batch_window_us * 1000, max_batch_blocks)
+        self.auto = AutoWindow()
+        """What the auto window knows; it learns the launch cost from every job, auto or not."""
+        self.batcher = Batcher(self._window(batch_window_us), max_batch_blocks)
         self.max_message_bytes = max_message_bytes
         factory = executor_factory or Executor
         self.executor = factory(loop, self._job_done)
@@ -87,6 +92,10 @@ class Pipeline:
         self._decoder = msgspec.msgpack.Decoder(IngestMessage)
         self._timer = WindowTimer(loop, self.kick)
         self._drained: asyncio.Future[None] | None = None
+        self._idle_caches: dict[str, asyncio.Future[None]] = {}
+        self._launch_started: deque[int] = deque()
+        self._executor_free_ns = 0
+        """When the executor last finished a job, as seen from the loop (auto window)."""
         self._rejection_log = RateLimitedLog(log)
         # Fault injection for the crash tests: SIGKILL at a named point, never set in service.
         self._crash_at = os.environ.get("KVD_TEST_CRASH_AT", "")
@@ -172,7 +181,7 @@ class Pipeline:
             )
             self.ledger.accept(request)
             self.ledger.advance(request, State.BATCHED)
-            self.batcher.add(request, received_ns)
+            self.batcher.add(request, received_ns, idle=self.executor.has_capacity())
         else:
             self._known_or_refused(msg, verdict)
 
@@ -275,6 +284,27 @@ class Pipeline:
                 Outcome(cache_id, req_id, source.generation, code, message, [], "")
             )
 
+    # -- settings -------------------------------------------------------------------------------
+
+    def configure(
+        self, batch_window_us: BatchWindow | None = None, max_batch_blocks: int | None = None
+    ) -> None:
+        """Change the window and the cap in force; waiting batches get them at once."""
+        if batch_window_us is not None:
+            self.batcher.set_window(self._window(batch_window_us))
+        if max_batch_blocks is not None:
+            self.batcher.set_max_blocks(max_batch_blocks)
+        self.kick()
+
+    @property
+    def batch_window_us(self) -> int:
+        """The window in force: the fixed one, or the latest the auto window chose."""
+        auto = self.batcher.auto
+        return (auto.last_ns if auto is not None else self.batcher.window_ns) // 1000
+
+    def _window(self, batch_window_us: BatchWindow) -> int | AutoWindow:
+        return self.auto if batch_window_us == "auto" else batch_window_us * 1000
+
     # -- batching and execution -----------------------------------------------------------------
 
     def kick(self) -> None:
@@ -294,6 +324,7 @@ class Pipeline:
         items = []
         launches: list[Launch] = []
         now = time.monotonic_ns()
+        self._launch_started.append(now)
         for batch in batches:
             cache = self.registry.get(batch.cache_id)
             assert cache is not None, "a cache cannot be detached while requests are in flight"
@@ -314,6 +345,7 @@ class Pipeline:
             self.metrics.batch_blocks.observe(batch.num_blocks)
             self.metrics.batches.value += 1
         if not items:
+            self._launch_started.pop()
             return
         # On record before any byte moves: a crash from here on is reported by the next start.
         self.journal.launched(launches)
@@ -338,6 +370,8 @@ class Pipeline:
                 self._count_answer(True, elapsed_ns)
 
     def _job_done(self, job: Job) -> None:
+        # Jobs finish in the order they were submitted (one worker thread, one waiter).
+        launched_ns = self._launch_started.popleft()
         if self.closing:
             return  # the sockets are going: the next start reports these as interrupted
         self.metrics.transform.observe((job.finished_ns - job.started_ns) / 1e9)
@@ -362,6 +396,13 @@ class Pipeline:
         for request, outcome, announced in finished:
             self._finish(request, outcome, announce=not announced)
         self.journal.rotate_if_full(r.launch_record() for r in self.ledger.launched())
+        # What the job cost, loop work included, from when the executor could start on it.
+        now = time.monotonic_ns()
+        self.auto.job(
+            sum(item.num_blocks for item in job.items),
+            now - max(launched_ns, self._executor_free_ns),
+        )
+        self._executor_free_ns = now
         self.kick()
 
     def _outcome(self, request: Request) -> Outcome:
@@ -388,6 +429,9 @@ class Pipeline:
         self.ledger.publish(request, outcome)
         if self._drained is not None and not self.ledger and not self._drained.done():
             self._drained.set_result(None)
+        waiting = self._idle_caches
+        if waiting and request.cache_id in waiting and not self.ledger.in_flight(request.cache_id):
+            waiting.pop(request.cache_id).set_result(None)
 
     def _finish_untouched(self, request: Request, code: Reason, message: str) -> None:
         request.error = (code, message)
@@ -478,6 +522,28 @@ class Pipeline:
         for request in waiting:
             self._finish_untouched(request, Reason.SHUTTING_DOWN, message)
         return len(waiting)
+
+    def fail_waiting(self, cache_id: str, message: str) -> int:
+        """Answer every request of ``cache_id`` not yet launched with Failed(cache_detached):
+        nothing of theirs was touched. Launched ones go on and are published. Returns how many
+        were failed."""
+        failed = 0
+        for batch in self.batcher.take_cache(cache_id):
+            for request in batch.requests:
+                self._finish_untouched(request, Reason.CACHE_DETACHED, message)
+                failed += 1
+        self.auto.forget(lambda key: key[0] == cache_id)
+        self.kick()
+        return failed
+
+    async def wait_cache_idle(self, cache_id: str) -> None:
+        """Wait until no request of ``cache_id`` is in flight."""
+        if not self.ledger.in_flight(cache_id):
+            return
+        idle = self._idle_caches.get(cache_id)
+        if idle is None:
+            idle = self._idle_caches[cache_id] = self.loop.create_future()
+        await asyncio.shield(idle)
 
     def unfinished(self) -> Iterable[Request]:
         return self.ledger.requests()

@@ -13,6 +13,7 @@ import torch
 
 from kvd.daemon.ledger import RemoteFormat
 from kvd.daemon.memory import AttachError, SharedSegment, Span
+from kvd.daemon.sockets import Connection
 from kvd.kernels import CachePostProcess
 from kvd.layout.formats import has_heads, legacy_remote_format
 from kvd.layout.geometry import TensorGeometry
@@ -47,10 +48,12 @@ class Rewrite:
 
 @dataclass(frozen=True, slots=True)
 class Owner:
-    """Who attached a cache: the control connection's routing id, and the engine's id."""
+    """Who attached a cache: the control connection's routing id, the engine's id, and the
+    connection itself (None when it cannot be told, e.g. a frame without a descriptor)."""
 
     routing_id: bytes
     engine_id: str
+    connection: Connection | None = None
 
 
 @dataclass(slots=True)
@@ -67,6 +70,8 @@ class AttachedCache:
     """The post-process of the cache's tensors, one per local page format."""
     lost: str | None = None
     """Why the cache's memory can no longer be touched (set once; requests then fail)."""
+    detaching: str | None = None
+    """Why the cache is being detached: new notifications are refused, those in flight end."""
     _rewrites: dict[tuple[RemoteFormat, int], list[Rewrite]] = field(default_factory=dict)
 
     def rewrites(self, remote: RemoteFormat, remote_block_size: int) -> list[Rewrite]:

@@ -241,12 +241,12 @@ class Server:
         self.metrics.gauge("kvd_attached_caches", "Caches attached.", lambda: len(registry))
         self.metrics.gauge(
             "kvd_batch_window_seconds",
-            "The batching window in force.",
-            lambda: config.batch_window_us / 1e6,
+            "The batching window in force (with batch_window_us = auto, kvd's latest choice).",
+            lambda: pipeline.batch_window_us / 1e6,
         )
 
         metrics_url = await self._start_metrics()
-        self.endpoints = Endpoints(**bound, metrics=metrics_url)
+        self.endpoints = Endpoints(**bound, metrics=metrics_url, pid=os.getpid())
         write_endpoints(runtime_dir, self.endpoints)
 
         self._ingest_reader = SocketReader(
@@ -272,13 +272,14 @@ class Server:
         for sig in _HANDLED_SIGNALS:
             loop.add_signal_handler(sig, self.handle_exit, sig)
         log.info(
-            "kvd %s serving on %s (device %s, batch window %d us, max %d blocks per batch); "
-            "control %s, ingest %s, events %s, replay %s",
+            "kvd %s serving on %s (device %s, batch window %s us, max %d blocks per batch, "
+            "engine lease %gs); control %s, ingest %s, events %s, replay %s",
             __version__,
             runtime_dir,
             device,
             config.batch_window_us,
             config.max_batch_blocks,
+            config.engine_lease_s,
             bound["control"],
             bound["ingest"],
             bound["events"],

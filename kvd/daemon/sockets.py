@@ -17,8 +17,12 @@ import logging
 import os
 import re
 import secrets
+import socket
 import stat
+import struct
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +33,9 @@ from kvd.endpoints import ENDPOINT_NAMES, ENDPOINTS_FILE, LOCK_FILE, Endpoints
 
 log = logging.getLogger(__name__)
 
+LOCK_RETRY_S = 0.5
+"""How long a starting kvd retries a lock it finds held: a client checking whether a daemon
+runs (``kvd.endpoints.check_running``) holds it shared for a few microseconds."""
 
 # sockaddr_un.sun_path is 108 bytes including the terminating NUL.
 _IPC_PATH_MAX = 107
@@ -119,16 +126,22 @@ class RuntimeLock:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             raise EndpointError(f"runtime_dir: cannot open {self.path}: {exc.strerror}") from exc
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            if exc.errno in (errno.EAGAIN, errno.EACCES):
-                raise EndpointError(
-                    f"runtime_dir: another kvd (pid {holder}) is serving {self.path.parent}"
-                ) from exc
-            raise
+        deadline = time.monotonic() + LOCK_RETRY_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as exc:
+                if exc.errno in (errno.EAGAIN, errno.EACCES) and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                    continue
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                if exc.errno in (errno.EAGAIN, errno.EACCES):
+                    raise EndpointError(
+                        f"runtime_dir: another kvd (pid {holder}) is serving {self.path.parent}"
+                    ) from exc
+                raise
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
@@ -314,3 +327,59 @@ class SocketReader:
         log.debug("the failure", exc_info=exc)
         if self._on_error is not None:
             self._on_error(exc)
+
+
+_UCRED = struct.Struct("3i")
+
+
+def peer_uid(frame: zmq.Frame) -> int | None:
+    """The uid of the process that sent ``frame`` over an ipc socket (None over TCP)."""
+    try:
+        fd = frame.get(zmq.SRCFD)
+        peer = socket.socket(fileno=os.dup(fd))
+    except (zmq.ZMQError, OSError):
+        return None
+    try:
+        uid: int
+        _, uid, _ = _UCRED.unpack(
+            peer.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+        )
+    except OSError:
+        return None
+    finally:
+        peer.close()
+    return uid
+
+
+def is_operator(frame: zmq.Frame) -> tuple[bool, int | None]:
+    """Whether ``frame`` came from kvd's own user or root over an ipc socket, and the uid."""
+    uid = peer_uid(frame)
+    return uid is not None and uid in (0, os.geteuid()), uid
+
+
+@dataclass(frozen=True, slots=True)
+class Connection:
+    """One peer's connection to a ZMQ socket, as the kernel knows it: ZMQ's file descriptor of
+    it and that socket's identity (device, inode), which a later connection or file given the
+    same descriptor number does not share."""
+
+    fd: int
+    identity: tuple[int, int]
+
+    @classmethod
+    def of(cls, frame: zmq.Frame) -> Connection | None:
+        """The connection ``frame`` arrived on (received with ``copy=False``)."""
+        try:
+            fd = int(frame.get(zmq.SRCFD))
+            st = os.fstat(fd)
+        except (zmq.ZMQError, OSError, ValueError):
+            return None
+        return cls(fd, (st.st_dev, st.st_ino))
+
+    def is_open(self) -> bool:
+        """False once ZMQ closed it (its peer went away). Only reads the descriptor's identity."""
+        try:
+            st = os.fstat(self.fd)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self.identity

@@ -101,6 +101,8 @@ def validate_read_done(msg: ReadDone, registry: Registry, ledger: Ledger) -> Ver
     cache = registry.get(msg.cache_id)
     if cache is None:
         return Rejection(Reason.UNKNOWN_CACHE, f"cache_id: {msg.cache_id!r} is not attached")
+    if cache.detaching is not None:
+        return Rejection(Reason.CACHE_DETACHED, cache.detaching)
     if cache.lost is not None:
         return Rejection(Reason.MEMORY_UNAVAILABLE, cache.lost)
     remote = _remote_format(msg)

@@ -47,7 +47,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
     NixlPullConnectorWorker,
 )
 
-from kvd.client import Client, EventsLost, KvdError, KvdTimeout, Subscription, read_done_message
+from kvd.client import (
+    Client,
+    EventsLost,
+    KvdError,
+    KvdTimeout,
+    KvdUnavailable,
+    Subscription,
+    read_done_message,
+)
 from kvd.dtypes import dtype_name
 from kvd.endpoints import daemon_alive, default_runtime_dir
 from kvd.protocol import CACHE_ID_MAX, MemoryRef, ShmRef, TensorSpec
@@ -112,7 +120,7 @@ class KvdWorker(NixlPullConnectorWorker):
         self._local_format = self._page_format()
         try:
             self.kvd.ping()
-        except (KvdTimeout, KvdError) as exc:
+        except (KvdTimeout, KvdUnavailable, KvdError) as exc:
             raise KvdConnectorError(
                 f"kvd is not reachable at {self.kvd_dir} ({exc}): start kvd first (systemd: "
                 "After=/Requires= on kvd@N.service), or set kv_connector_extra_config "
@@ -203,6 +211,18 @@ class KvdWorker(NixlPullConnectorWorker):
         self._events = self.kvd.subscribe([self.cache_id])
         self._down_since = None
 
+    def _reattach(self) -> bool:
+        """Attach again after a kvd restart; False (and tried again later) if kvd is not
+        back yet."""
+        try:
+            self._attach()
+        except (KvdTimeout, KvdUnavailable, KvdError) as exc:
+            log.warning("kvd: attaching again failed (%s); trying again", exc)
+            if self._down_since is None:
+                self._down_since = time.monotonic()
+            return False
+        return True
+
     def add_remote_agent(self, nixl_agent_meta: Any, *args: Any, **kwargs: Any) -> str:
         """Learn a prefill engine's page format at its handshake; refuse one kvd does not know."""
         try:
@@ -282,11 +302,10 @@ class KvdWorker(NixlPullConnectorWorker):
             log.warning(
                 "kvd events lost (%s): re-sending %d held requests", lost, len(self._holding)
             )
-            if lost.restarted:
-                self._attach()
-            for held in self._holding.resend():
-                self._send(held)
-        except (ReplayError, KvdError, KvdTimeout) as exc:
+            if not lost.restarted or self._reattach():
+                for held in self._holding.resend():
+                    self._send(held)
+        except (ReplayError, KvdError, KvdTimeout, KvdUnavailable) as exc:
             log.warning("kvd: %s", exc)
         if len(self._holding) and time.monotonic() - self._last_event > 1.0:
             released.merge(self._check_kvd())
@@ -307,23 +326,24 @@ class KvdWorker(NixlPullConnectorWorker):
             yield delivery.event
 
     def _check_kvd(self) -> Released:
-        """Requests held while no kvd runs are failed after ``down_timeout_s``; a kvd that is
-        back is attached again and sent what is still held."""
-        self._last_event = time.monotonic()
+        """Requests held while kvd is down (or cannot be attached again) are failed after
+        ``down_timeout_s``; a kvd that is back is attached again and sent what is still held."""
+        now = self._last_event = time.monotonic()
         if daemon_alive(self.kvd_dir):
-            if self._down_since is not None:
-                log.warning("kvd is back at %s: attaching again", self.kvd_dir)
-                self._attach()
+            if self._down_since is None:
+                return Released()
+            log.warning("kvd is back at %s: attaching again", self.kvd_dir)
+            if self._reattach():
                 for held in self._holding.resend():
                     self._send(held)
-            return Released()
-        now = time.monotonic()
-        if self._down_since is None:
+                return Released()
+        elif self._down_since is None:
             log.error(
                 "kvd is not running at %s; %d requests wait for it",
                 self.kvd_dir,
                 len(self._holding),
             )
+        if self._down_since is None:
             self._down_since = now
         if now - self._down_since < self.down_timeout_s:
             return Released()

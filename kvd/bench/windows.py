@@ -1,0 +1,356 @@
+"""``kvd bench pipeline --windows``: fixed batching windows against ``auto``, at several loads.
+
+One ``kvd serve`` serves every run, and the window is changed between runs with ``Configure``
+(as ``kvd set batch-window-us`` does), so runs differ in the window only. For each load (a
+closed loop at a concurrency, or an open loop at a rate), every round visits every window, in
+alternating order, with ``drive``. Runs are short and rounds many, so that a slow drift of the
+machine's load (it is shared) hits every window alike. Throughput is the median over rounds;
+p50 and p99 are of every latency of the window's runs together (pooled: a p99 of one short run
+is a handful of samples). The report compares ``auto`` with the best fixed window of each load:
+its throughput against the highest, its p99 against the lowest.
+
+Transforms (each notification names blocks of its own, 4 KV heads x 64 head_dim, bf16):
+
+- ``layout``: HND pages into an NHD cache of 16-token blocks (a permute; light work per block);
+- ``merge``: HND pages of 16 tokens into an NHD cache of 64-token blocks (permute and merge
+  four pages into each block; four times the bytes per block).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from kvd.bench.pipeline import Figures, Mix, MixError, Target, drive, percentile
+from kvd.client import Client, read_done_message
+from kvd.daemon_process import DaemonError, DaemonProcess
+from kvd.progress import progress_bar
+from kvd.protocol import MAX_BATCH_WINDOW_US, BatchWindow
+from kvd.shm import ShmCache
+from kvd.tables import format_table
+
+CACHE_ID = "windows"
+HEADS, HEAD_DIM = 4, 64
+TRANSFORMS = {"layout": (16, 1), "merge": (64, 4)}
+"""transform -> (local block size in tokens, block_size_ratio)."""
+OPEN_LOOP_SLOTS = 256
+"""Notifications in flight at most in an open loop (each needs blocks of its own)."""
+WITHIN = 0.10
+"""auto should be within this of the best fixed window, in throughput and in p99."""
+
+
+class WindowsError(ValueError):
+    """Arguments that cannot work; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class Load:
+    concurrency: int = 0
+    rate: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return f"{self.rate:,.0f}/s" if self.rate else f"{self.concurrency} in flight"
+
+    @property
+    def slots(self) -> int:
+        return OPEN_LOOP_SLOTS if self.rate else self.concurrency
+
+
+def parse_windows(text: str) -> list[BatchWindow]:
+    """``"0,50,auto"`` -> [0, 50, "auto"]."""
+    windows: list[BatchWindow] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        if part == "auto":
+            windows.append("auto")
+            continue
+        try:
+            value = int(part)
+        except ValueError:
+            raise WindowsError(f"--windows: {part!r} is not microseconds or 'auto'") from None
+        if not 0 <= value <= MAX_BATCH_WINDOW_US:
+            raise WindowsError(f"--windows: {value} is outside 0..{MAX_BATCH_WINDOW_US}")
+        windows.append(value)
+    if len(windows) < 2 or len(set(windows)) != len(windows):
+        raise WindowsError("--windows: give two or more distinct windows")
+    return windows
+
+
+def parse_loads(concurrency: str | None, rates: str | None) -> list[Load]:
+    try:
+        if rates:
+            loads = [Load(rate=float(r)) for r in rates.split(",") if r.strip()]
+        else:
+            loads = [Load(concurrency=int(c)) for c in (concurrency or "1,4,16").split(",")]
+    except ValueError:
+        raise WindowsError("--concurrency and --rates take comma-separated numbers") from None
+    if not loads or any(load.concurrency < 0 or load.rate < 0 for load in loads):
+        raise WindowsError("--concurrency and --rates take positive numbers")
+    if any(not (load.concurrency or load.rate) for load in loads):
+        raise WindowsError("--concurrency and --rates take positive numbers")
+    return loads
+
+
+def _maker(blocks: int, ratio: int) -> Callable[[str, int], bytes]:
+    def make(req_id: str, slot: int) -> bytes:
+        first = slot * blocks
+        return read_done_message(
+            req_id,
+            CACHE_ID,
+            range(first, first + blocks),
+            remote_layout="HND",
+            block_size_ratio=ratio,
+        )
+
+    return make
+
+
+def _probe() -> Callable[[str], bytes]:
+    """Notifications without work (NHD at ratio 1) to see that events flow."""
+    counter = iter(range(1 << 62))
+
+    def make(tag: str) -> bytes:
+        return read_done_message(
+            f"probe-{tag}-{next(counter)}", CACHE_ID, [0], remote_layout="NHD", block_size_ratio=1
+        )
+
+    return make
+
+
+def _check(args: argparse.Namespace) -> tuple[list[BatchWindow], list[Load]]:
+    windows = parse_windows(args.windows)
+    loads = parse_loads(args.concurrency, args.rates)
+    if args.transform not in TRANSFORMS:
+        raise WindowsError("--windows needs --transform layout or merge (none has no work)")
+    if args.rounds < 1 or args.blocks < 1:
+        raise WindowsError("--rounds and --blocks must be at least 1")
+    return windows, loads
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        windows, loads = _check(args)
+    except WindowsError as exc:
+        print(f"kvd bench pipeline: {exc}", file=sys.stderr)
+        return 2
+    messages = args.messages or 1000
+    block_size, _ = TRANSFORMS[args.transform]
+    quiet = args.json or args.no_progress
+    slots = max(load.slots for load in loads)
+    cache = ShmCache.create(
+        num_layers=1,
+        num_blocks=slots * args.blocks,
+        block_size=block_size,
+        num_heads=HEADS,
+        head_dim=HEAD_DIM,
+        layout="NHD",
+    )
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    work = Path(tempfile.mkdtemp(prefix="kvd-bench-"))
+    daemon = DaemonProcess("--log-level", "warning", runtime_dir=work / "kvd")
+    figures: dict[tuple[str, str], list[Figures]] = {}
+    latencies: dict[tuple[str, str], list[float]] = {}
+    chosen: dict[str, list[int]] = {}
+    total = len(loads) * args.rounds * len(windows)
+    try:
+        daemon.start()
+        # The client stays open for the whole run: it holds the cache (engine_lease_s).
+        with (
+            daemon.client() as client,
+            progress_bar(total, "kvd bench pipeline", unit="run", quiet=quiet) as bar,
+        ):
+            client.attach(CACHE_ID, cache.specs)
+            endpoints = daemon.endpoints()
+            target = Target(ctx, endpoints.ingest, endpoints.events, topic=CACHE_ID)
+            try:
+                target.warm_up(_probe())
+                for load in loads:
+                    for r in range(args.rounds):
+                        for window in windows if r % 2 == 0 else windows[::-1]:
+                            bar.set_postfix_str(f"{load.name}, window {window}")
+                            key = (load.name, str(window))
+                            result = _measure(
+                                client,
+                                target=target,
+                                load=load,
+                                window=window,
+                                messages=messages,
+                                args=args,
+                                latencies=latencies.setdefault(key, []),
+                            )
+                            figures.setdefault(key, []).append(result)
+                            if window == "auto":
+                                picked = client.configure().batch_window_us
+                                chosen.setdefault(load.name, []).append(picked)
+                            bar.write(
+                                f"{load.name:>14}, window {window!s:>5}: "
+                                f"{result.throughput:9,.0f}/s  p50 {result.p50_us:7,.0f} us"
+                                f"  p99 {result.p99_us:7,.0f} us"
+                            )
+                            bar.update()
+            finally:
+                target.close()
+    except (DaemonError, MixError) as exc:
+        print(f"kvd bench pipeline: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        ctx.term()
+        daemon.stop()
+        cache.close()
+    report = _report(
+        args,
+        windows=windows,
+        loads=loads,
+        messages=messages,
+        figures=figures,
+        latencies=latencies,
+        chosen=chosen,
+    )
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_report(report))
+    return 0
+
+
+def _measure(
+    client: Client,
+    *,
+    target: Target,
+    load: Load,
+    window: BatchWindow,
+    messages: int,
+    args: argparse.Namespace,
+    latencies: list[float],
+) -> Figures:
+    client.configure(batch_window_us=window)
+    mix = Mix(
+        messages=messages,
+        concurrency=load.concurrency or 1,
+        rate=load.rate,
+        warmup=max(100, messages // 5),
+    )
+    _, ratio = TRANSFORMS[args.transform]
+    return drive(
+        target,
+        _maker(args.blocks, ratio),
+        slots=load.slots,
+        mix=mix,
+        prefix=f"{load.name.replace(' ', '')}-{window}-{next(_RUNS)}",
+        latencies_out=latencies,
+    )
+
+
+_RUNS = iter(range(1 << 62))
+
+
+def _summary(runs: Sequence[Figures], latencies: list[float]) -> dict[str, float]:
+    """Median throughput over runs; p50 and p99 of all their latencies together."""
+    pooled = sorted(latencies)
+    return {
+        "throughput": float(statistics.median(f.throughput for f in runs)),
+        "p50_us": percentile(pooled, 0.50),
+        "p99_us": percentile(pooled, 0.99),
+        "failed": float(sum(f.failed for f in runs)),
+    }
+
+
+def _report(
+    args: argparse.Namespace,
+    *,
+    windows: list[BatchWindow],
+    loads: list[Load],
+    messages: int,
+    figures: dict[tuple[str, str], list[Figures]],
+    latencies: dict[tuple[str, str], list[float]],
+    chosen: dict[str, list[int]],
+) -> dict[str, Any]:
+    out_loads = []
+    for load in loads:
+        rows = {
+            str(w): _summary(figures[(load.name, str(w))], latencies[(load.name, str(w))])
+            for w in windows
+        }
+        fixed = {w: f for w, f in rows.items() if w != "auto"}
+        entry: dict[str, Any] = {"load": load.name, "windows": rows}
+        if "auto" in rows and fixed:
+            best_tp = max(fixed, key=lambda w: fixed[w]["throughput"])
+            best_p99 = min(fixed, key=lambda w: fixed[w]["p99_us"])
+            auto = rows["auto"]
+            tp = auto["throughput"] / fixed[best_tp]["throughput"]
+            p99 = auto["p99_us"] / fixed[best_p99]["p99_us"]
+            entry["auto"] = {
+                "chose_us": chosen.get(load.name, []),
+                "best_throughput_window": int(best_tp),
+                "throughput_ratio": tp,
+                "best_p99_window": int(best_p99),
+                "p99_ratio": p99,
+                "within": tp >= 1 - WITHIN and p99 <= 1 + WITHIN,
+            }
+        out_loads.append(entry)
+    block_size, ratio = TRANSFORMS[args.transform]
+    return {
+        "benchmark": "pipeline-windows",
+        "transform": args.transform,
+        "local_block_size": block_size,
+        "block_size_ratio": ratio,
+        "blocks_per_notification": args.blocks,
+        "messages": messages,
+        "rounds": args.rounds,
+        "loads": out_loads,
+    }
+
+
+def format_report(report: dict[str, Any]) -> str:
+    lines = [
+        f"kvd bench pipeline --windows: transform {report['transform']} (NHD blocks of "
+        f"{report['local_block_size']} tokens, ratio {report['block_size_ratio']}), "
+        f"{report['blocks_per_notification']} blocks per notification, {report['messages']} "
+        f"timed per run, {report['rounds']} rounds (throughput: median; p50, p99: pooled)",
+        "",
+    ]
+    rows = [["load", "window us", "notifications/s", "p50 us", "p99 us", "failed"]]
+    for entry in report["loads"]:
+        for n, (window, f) in enumerate(entry["windows"].items()):
+            label = window
+            if window == "auto" and "auto" in entry:
+                label = f"auto ({statistics.median(entry['auto']['chose_us']):.0f})"
+            rows.append(
+                [
+                    entry["load"] if n == 0 else "",
+                    label,
+                    f"{f['throughput']:,.0f}",
+                    f"{f['p50_us']:,.0f}",
+                    f"{f['p99_us']:,.0f}",
+                    f"{f['failed']:.0f}",
+                ]
+            )
+    lines += format_table(rows, right=(1, 2, 3, 4, 5))
+    lines.append("")
+    for entry in report["loads"]:
+        auto = entry.get("auto")
+        if auto is None:
+            continue
+        lines.append(
+            f"{entry['load']}: auto {auto['throughput_ratio']:.2f}x the best throughput "
+            f"({auto['best_throughput_window']} us), {auto['p99_ratio']:.2f}x the best p99 "
+            f"({auto['best_p99_window']} us): "
+            + ("within 10%" if auto["within"] else "NOT within 10%")
+        )
+    if any("auto" in e for e in report["loads"]):
+        lines.append(
+            "auto (N): the median over rounds of the longest wait auto allowed at the end of a "
+            "run, in us (a batch goes sooner once requests stop coming)"
+        )
+    return "\n".join(lines)
