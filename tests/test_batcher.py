@@ -152,3 +152,33 @@ def test_an_auto_window_applies_when_the_batch_opens_with_the_executor_idle() ->
     b.take_all()
     b.add(req("busy", [101]), 420 * US, idle=False)  # it fills while the executor works
     assert b.next_deadline_ns() == 420 * US
+
+
+def test_an_auto_window_goes_once_a_closed_loop_has_sent_all_it_will() -> None:
+    auto = AutoWindow()
+    for n in range(16):
+        blocks = 1 + n % 4
+        auto.job(blocks, 100 * US + blocks * 10 * US)
+    b = Batcher(window_ns=auto, max_blocks=100)
+    # A closed loop of 4: four requests 5 us apart, answered together, again and again.
+    now = 0
+    for cycle in range(10):
+        for held in range(1, 5):
+            now += 5 * US
+            b.add(req(f"r{cycle}.{held}", [held]), now, held=held)
+        b.take_all()
+        now += 300 * US
+    # The first three of a cycle wait for the next; the fourth makes it all the loop sends.
+    for held in range(1, 4):
+        now += 5 * US
+        b.add(req(f"again{held}", [held]), now, held=held)
+        assert b.next_deadline_ns() is not None and b.next_deadline_ns() > now
+    now += 5 * US
+    b.add(req("again4", [4]), now, held=4)
+    assert b.next_deadline_ns() == now
+    assert [r.req_id for batch in b.take_due(now) for r in batch.requests] == [
+        "again1",
+        "again2",
+        "again3",
+        "again4",
+    ]

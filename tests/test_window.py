@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvd.daemon.window import AutoWindow
+from kvd.daemon.window import PEAK_ARRIVALS, AutoWindow
 
 US = 1000
 KEY = ("c0", "HND", 16)
@@ -83,3 +83,16 @@ def test_forget_drops_a_detached_caches_keys() -> None:
     auto.forget(lambda key: key[0] == "c0")
     assert auto.typical_gap_ns(KEY) is None
     assert auto.typical_gap_ns(("c1", "HND", 16)) is not None
+
+
+def test_all_in_is_holding_as_many_requests_as_lately_at_most() -> None:
+    auto = AutoWindow()
+    for held in [1, 2, 3, 4] * 10:
+        auto.arrival(KEY, held * 10 * US, held)
+    assert not auto.all_in(3)
+    assert auto.all_in(4)
+    # The most held is forgotten after two runs of PEAK_ARRIVALS arrivals with fewer.
+    for n in range(2 * PEAK_ARRIVALS):
+        auto.arrival(KEY, n * US, 2)
+    assert auto.all_in(2)
+    assert not auto.all_in(0), "held unknown: never"

@@ -92,20 +92,21 @@ class Batcher:
         """Whether any request waits in a batch (cheaper than ``len``)."""
         return bool(self._open or self._full)
 
-    def add(self, request: Request, now_ns: int, *, idle: bool = True) -> Batch:
+    def add(self, request: Request, now_ns: int, *, idle: bool = True, held: int = 0) -> Batch:
         """Put ``request`` into the open batch of its key, opening one if needed.
 
         A request is never split; one larger than ``max_blocks`` gets a batch of its own.
         ``idle`` says whether the executor could take a job now. With an auto window, a batch
         that opens while it is busy gets no window (it fills until the executor is free); one
         that opens while it is idle waits while requests keep coming (each arrival moves its
-        deadline to the auto window's patience from now), never past the auto window.
+        deadline to the auto window's patience from now), never past the auto window, and goes
+        at once when the ``held`` requests kvd holds (this one included) are all it held lately.
         """
         key = (request.cache_id, request.remote_format, request.remote_block_size)
         n = len(request.physical_block_ids)
         auto = self.auto
         if auto is not None:
-            auto.arrival(key, now_ns)
+            auto.arrival(key, now_ns, held)
         batch = self._open.get(key)
         if batch is not None and batch.num_blocks + n > self.max_blocks:
             self._full.append(self._open.pop(key))
@@ -115,13 +116,16 @@ class Batcher:
                 limit = deadline = now_ns + self.window_ns
             elif idle:
                 limit = now_ns + auto.window_ns(key)
-                deadline = min(limit, now_ns + auto.patience_ns(key))
+                deadline = (
+                    now_ns if auto.all_in(held) else min(limit, now_ns + auto.patience_ns(key))
+                )
             else:
                 limit = deadline = now_ns
             batch = Batch(key, now_ns, deadline, limit)
             self._open[key] = batch
         elif auto is not None:
-            batch.deadline_ns = min(batch.limit_ns, now_ns + auto.patience_ns(key))
+            wait = 0 if auto.all_in(held) else auto.patience_ns(key)
+            batch.deadline_ns = min(batch.limit_ns, now_ns + wait)
         batch.requests.append(request)
         batch.num_blocks += n
         if batch.num_blocks >= self.max_blocks:

@@ -181,7 +181,9 @@ class Pipeline:
             )
             self.ledger.accept(request)
             self.ledger.advance(request, State.BATCHED)
-            self.batcher.add(request, received_ns, idle=self.executor.has_capacity())
+            self.batcher.add(
+                request, received_ns, idle=self.executor.has_capacity(), held=len(self.ledger)
+            )
         else:
             self._known_or_refused(msg, verdict)
 

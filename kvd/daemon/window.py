@@ -18,8 +18,10 @@ is busy gets no window at all (``Batcher.add(idle=False)``): it fills anyway unt
 executor is free, and goes then.
 
 The rate holds only while requests keep coming: a closed loop of N clients sends N at most, and
-waiting past the last saves nothing. So a waiting batch also goes as soon as no request came
-for two typical gaps (``patience_ns``): each arrival moves its deadline, never past ``W``.
+waiting past the last saves nothing. So a waiting batch goes sooner: as soon as kvd holds as
+many requests as it held at most lately (``all_in``: the loop has sent all it will send until
+answered), else once no request came for two typical gaps (``patience_ns``): each arrival
+moves its deadline, never past ``W``.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ _GAP_WEIGHT = 1 / 16
 """Weight of the newest gap in the typical gap (about the last 16 count)."""
 _GAP_MIN_NS, _GAP_MAX_NS = 1_000, 10_000_000
 """Gaps are counted within [1 us, 10 ms]: one idle minute must not take an hour to forget."""
+PEAK_ARRIVALS = 256
+""""Lately", for the most requests held: the last 256 to 512 arrivals."""
 
 
 class _Fit:
@@ -82,6 +86,9 @@ class AutoWindow:
         self._log_gap: dict[Key, float] = {}
         self.last_ns = 0
         """The window given to the latest batch that opened with the executor idle."""
+        self._peaks = [0, 0]
+        """The most requests held in the previous and in the current run of arrivals."""
+        self._count = 0
 
     @property
     def launch_cost_ns(self) -> float:
@@ -92,8 +99,14 @@ class AutoWindow:
     def per_block_ns(self) -> float:
         return self._per_block_ns
 
-    def arrival(self, key: Key, now_ns: int) -> None:
-        """A request of ``key`` was accepted at ``now_ns``."""
+    def arrival(self, key: Key, now_ns: int, held: int = 0) -> None:
+        """A request of ``key`` was accepted at ``now_ns``; kvd holds ``held`` requests now
+        (0: not said)."""
+        self._count += 1
+        if self._count >= PEAK_ARRIVALS:
+            self._count = 0
+            self._peaks = [self._peaks[1], 0]
+        self._peaks[1] = max(self._peaks[1], held)
         last = self._last_arrival.get(key)
         self._last_arrival[key] = now_ns
         if last is None:
@@ -120,6 +133,11 @@ class AutoWindow:
         window = 0 if gap is None else int(min(self.max_ns, max(0.0, self._launch_ns - gap)))
         self.last_ns = window
         return window
+
+    def all_in(self, held: int) -> bool:
+        """Whether holding ``held`` requests, kvd holds as many as it did at most lately: a
+        closed loop has sent all it will until it is answered, and waiting saves nothing."""
+        return held > 0 and held >= max(self._peaks)
 
     def patience_ns(self, key: Key) -> int:
         """How long a waiting batch of ``key`` waits for its next request: two typical gaps.
