@@ -35,3 +35,41 @@ def test_json_is_quiet() -> None:
     assert done.stderr == ""
     report = json.loads(done.stdout)
     assert report["figures"]["kvd"]["throughput"] > 0 and report["rounds"] == 1
+
+
+@pytest.mark.slow
+def test_windows_compare_fixed_windows_with_auto_at_each_load() -> None:
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "kvd", "bench", "pipeline", "--windows", "0,100,auto"),
+            *("--transform", "merge", "--concurrency", "1,4", "--rounds", "2"),
+            *("--messages", "100", "--json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    report = json.loads(done.stdout)
+    assert report["transform"] == "merge" and report["block_size_ratio"] == 4
+    assert [entry["load"] for entry in report["loads"]] == ["1 in flight", "4 in flight"]
+    for entry in report["loads"]:
+        assert list(entry["windows"]) == ["0", "100", "auto"]
+        assert all(w["throughput"] > 0 and w["failed"] == 0 for w in entry["windows"].values())
+        auto = entry["auto"]
+        assert len(auto["chose_us"]) == 2, "the window auto chose, each round"
+        assert auto["best_throughput_window"] in (0, 100) and auto["throughput_ratio"] > 0
+        assert entry["noise"] >= 0
+
+
+def test_windows_arguments_that_cannot_work_are_usage_errors() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "kvd", "bench", "pipeline", "--windows", "0,0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2 and "--windows: give two or more distinct windows" in done.stderr

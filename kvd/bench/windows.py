@@ -258,8 +258,11 @@ _RUNS = iter(range(1 << 62))
 def _summary(runs: Sequence[Figures], latencies: list[float]) -> dict[str, float]:
     """Median throughput over runs; p50 and p99 of all their latencies together."""
     pooled = sorted(latencies)
+    throughputs = [f.throughput for f in runs]
+    median = float(statistics.median(throughputs))
     return {
-        "throughput": float(statistics.median(f.throughput for f in runs)),
+        "throughput": median,
+        "throughput_spread": (max(throughputs) - min(throughputs)) / median if median else 0.0,
         "p50_us": percentile(pooled, 0.50),
         "p99_us": percentile(pooled, 0.99),
         "failed": float(sum(f.failed for f in runs)),
@@ -283,7 +286,12 @@ def _report(
             for w in windows
         }
         fixed = {w: f for w, f in rows.items() if w != "auto"}
-        entry: dict[str, Any] = {"load": load.name, "windows": rows}
+        entry: dict[str, Any] = {
+            "load": load.name,
+            "windows": rows,
+            # How much one window's throughput moves between rounds: below this, no difference.
+            "noise": float(statistics.median(f["throughput_spread"] for f in rows.values())),
+        }
         if "auto" in rows and fixed:
             best_tp = max(fixed, key=lambda w: fixed[w]["throughput"])
             best_p99 = min(fixed, key=lambda w: fixed[w]["p99_us"])
@@ -347,6 +355,7 @@ def format_report(report: dict[str, Any]) -> str:
             f"({auto['best_throughput_window']} us), {auto['p99_ratio']:.2f}x the best p99 "
             f"({auto['best_p99_window']} us): "
             + ("within 10%" if auto["within"] else "NOT within 10%")
+            + f"; one window's throughput moves {entry['noise']:.0%} between rounds"
         )
     if any("auto" in e for e in report["loads"]):
         lines.append(

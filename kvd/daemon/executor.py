@@ -99,6 +99,9 @@ class Job:
     submitted_ns: int = 0
     started_ns: int = 0
     finished_ns: int = 0
+    work_ns: int = 0
+    """What the job cost the device: the executor thread's CPU time (CPU), or from its launch
+    to its event complete (CUDA). Waiting for the GIL or a wake-up is not work."""
 
 
 DoneCallback = Callable[[Job], None]
@@ -155,6 +158,7 @@ class Executor:
             if self.failed is not None:
                 continue  # launched on record, never run: the next start answers them
             job.started_ns = time.monotonic_ns()
+            cpu_ns = time.thread_time_ns()
             try:
                 self._check_injected_failure()
                 for item in job.items:
@@ -163,6 +167,7 @@ class Executor:
                 self._fail(str(exc))
                 continue
             job.finished_ns = time.monotonic_ns()
+            job.work_ns = time.thread_time_ns() - cpu_ns
             try:
                 self._loop.call_soon_threadsafe(self._finish, job)
             except RuntimeError:
@@ -306,6 +311,7 @@ class CudaExecutor(Executor):
             if entry.ready is not None:
                 self._ipc_events.put(entry.ready)  # its recording is complete: reusable
             entry.job.finished_ns = time.monotonic_ns()
+            entry.job.work_ns = entry.job.finished_ns - entry.job.started_ns
             try:
                 self._loop.call_soon_threadsafe(self._finish, entry.job)
             except RuntimeError:

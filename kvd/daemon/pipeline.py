@@ -93,9 +93,8 @@ class Pipeline:
         self._timer = WindowTimer(loop, self.kick)
         self._drained: asyncio.Future[None] | None = None
         self._idle_caches: dict[str, asyncio.Future[None]] = {}
-        self._launch_started: deque[int] = deque()
-        self._executor_free_ns = 0
-        """When the executor last finished a job, as seen from the loop (auto window)."""
+        self._launch_cpu_ns: deque[int] = deque()
+        """The loop's CPU time to launch each job in flight, in order (auto window)."""
         self._rejection_log = RateLimitedLog(log)
         # Fault injection for the crash tests: SIGKILL at a named point, never set in service.
         self._crash_at = os.environ.get("KVD_TEST_CRASH_AT", "")
@@ -326,7 +325,7 @@ class Pipeline:
         items = []
         launches: list[Launch] = []
         now = time.monotonic_ns()
-        self._launch_started.append(now)
+        cpu_ns = time.thread_time_ns()
         for batch in batches:
             cache = self.registry.get(batch.cache_id)
             assert cache is not None, "a cache cannot be detached while requests are in flight"
@@ -347,10 +346,10 @@ class Pipeline:
             self.metrics.batch_blocks.observe(batch.num_blocks)
             self.metrics.batches.value += 1
         if not items:
-            self._launch_started.pop()
             return
         # On record before any byte moves: a crash from here on is reported by the next start.
         self.journal.launched(launches)
+        self._launch_cpu_ns.append(time.thread_time_ns() - cpu_ns)
         self.executor.submit(Job(items))
 
     def job_launched(self, job: Job) -> None:
@@ -373,7 +372,8 @@ class Pipeline:
 
     def _job_done(self, job: Job) -> None:
         # Jobs finish in the order they were submitted (one worker thread, one waiter).
-        launched_ns = self._launch_started.popleft()
+        cpu_ns = time.thread_time_ns()
+        launch_cpu_ns = self._launch_cpu_ns.popleft()
         if self.closing:
             return  # the sockets are going: the next start reports these as interrupted
         self.metrics.transform.observe((job.finished_ns - job.started_ns) / 1e9)
@@ -398,13 +398,12 @@ class Pipeline:
         for request, outcome, announced in finished:
             self._finish(request, outcome, announce=not announced)
         self.journal.rotate_if_full(r.launch_record() for r in self.ledger.launched())
-        # What the job cost, loop work included, from when the executor could start on it.
-        now = time.monotonic_ns()
+        # What the job cost: the work it took, on the loop and the device. Not wall time: waits
+        # for the GIL or a wake-up overlap with other work, and batching does not save them.
         self.auto.job(
             sum(item.num_blocks for item in job.items),
-            now - max(launched_ns, self._executor_free_ns),
+            launch_cpu_ns + job.work_ns + time.thread_time_ns() - cpu_ns,
         )
-        self._executor_free_ns = now
         self.kick()
 
     def _outcome(self, request: Request) -> Outcome:

@@ -4,9 +4,10 @@ Pure logic, driven by the caller's clock. The daemon reports each arrival (by ba
 each finished job (its blocks, and how long it kept the executor and the loop busy);
 ``window_ns`` answers how long a batch that opens now, with the executor idle, may wait.
 
-The rule. Every job costs a fixed launch overhead ``c0`` (the hand-off to the executor thread
-and back, the kernel call, the journal records) plus ``c1`` per block; kvd fits both to recent
-jobs by least squares. A request that joins a waiting batch saves one launch, ``c0``; waiting
+The rule. Every job costs a fixed launch overhead ``c0`` (the loop's work to launch and finish
+it, the journal records, the kernel call) plus ``c1`` per block; kvd fits both to recent jobs by
+least squares. Cost is work (CPU time of the loop and the executor thread, or time on the GPU),
+not wall time: waiting for the GIL or a wake-up overlaps with other work, and is not saved. A request that joins a waiting batch saves one launch, ``c0``; waiting
 costs each request already in the batch the time waited. With requests of the batch's key
 arriving at rate ``λ``, the next instant ``dt`` of waiting brings ``λ dt`` requests, saving
 ``λ dt c0``, and costs the ``1 + λ W`` requests gathered after a wait ``W`` each ``dt``. Waiting
