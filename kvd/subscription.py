@@ -226,6 +226,8 @@ class Subscription(_Replays, Iterator[Delivery]):
         self._endpoints = endpoints
         self._timeout_ms = int(timeout * 1000)
         self._resync_ms = int(resync_interval * 1000)
+        self._heard = time.monotonic()
+        """When the SUB socket last brought something, or kvd was last asked (resync)."""
         self._sub = ctx.socket(zmq.SUB)
         _configure_sub(self._sub, endpoints, self._order.topics)
         # Learn the daemon's epoch and each topic's newest seq now: later events are then
@@ -257,10 +259,14 @@ class Subscription(_Replays, Iterator[Delivery]):
             if remaining_ms < 0:
                 return None
             if self._sub.poll(min(remaining_ms, self._resync_ms)):
+                self._heard = time.monotonic()
                 gap = order.live(*self._sub.recv_multipart())
                 if gap is not None:
                     self._replay(gap)
-            else:
+            elif time.monotonic() - self._heard >= self._resync_ms / 1000:
+                # Silent for a resync interval: ask kvd. Not at every empty poll: an engine
+                # polls with no wait each step, and a replay is a round trip.
+                self._heard = time.monotonic()
                 order.pending.extend(order.resync())
 
     def _replay_all(self, gaps: deque[_Gap]) -> None:

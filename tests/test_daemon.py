@@ -644,3 +644,21 @@ def test_cli_status_and_tail(daemon: DaemonProcess, client: Client, small_cache)
     )
     assert down.returncode == 1
     assert down.stderr == "kvd status: no kvd at /tmp/kvd-nobody-here (no such directory)\n"
+
+
+def test_polling_without_waiting_does_not_ask_kvd_each_time(
+    client: Client, small_cache: tuple[str, ShmCache]
+) -> None:
+    """An engine polls its subscription with no wait every step: that must not cost a replay
+    round trip to kvd each time (only one per resync interval of silence)."""
+    cache_id, _ = small_cache
+    sub = client.subscribe([cache_id])  # resyncs after 1 s of silence
+    before = client.status().counters["replays"]
+    for _ in range(200):
+        assert sub.poll(0) is None
+    asked = client.status().counters["replays"] - before
+    assert asked <= 2 * (1 + 1), f"200 empty polls asked kvd {asked} times"
+    client.read_done(f"{cache_id}-polled", cache_id, [1], remote_layout="NHD", block_size_ratio=1)
+    (event,) = collect(sub, 1)
+    assert event.event.req_id == f"{cache_id}-polled", "and events still arrive"
+    sub.close()

@@ -55,18 +55,18 @@ def test_exposition_parses_and_reads_live_values() -> None:
 
 def test_new_counters_take_one_line_and_show_in_status() -> None:
     m = Metrics(process=False)
-    replays = m.counter("kvd_replays_total", "Replay requests answered.")
+    timeouts = m.counter("kvd_timeouts_total", "Waits that timed out.")
     drops = m.labelled_counter("kvd_drops_total", "Events dropped, by cause.", "cause")
-    replays.value += 2
+    timeouts.value += 2
     drops.inc("hwm")
     text = m.render().decode()
-    assert "kvd_replays_total 2.0" in text
+    assert "kvd_timeouts_total 2.0" in text
     assert 'kvd_drops_total{cause="hwm"} 1.0' in text
     assert "process_" not in text
     counters = m.counters()
-    assert counters["replays"] == 2 and list(counters)[:2] == ["ready", "failed"]
+    assert counters["timeouts"] == 2 and list(counters)[:2] == ["ready", "failed"]
     with pytest.raises(ValueError, match="defined twice"):
-        m.counter("kvd_replays_total", "again")
+        m.counter("kvd_timeouts_total", "again")
 
 
 def test_content_type_is_what_generate_latest_writes() -> None:

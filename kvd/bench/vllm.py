@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,10 @@ from kvd.progress import progress_bar
 from kvd.tables import format_table
 
 STARTUP_S = 600
+KVD_CORE = 0
+"""Three processes share two cores here: kvd gets core 0 with the prefill, which sleeps while
+the decode instance runs (requests go one at a time), the decode instance core 1."""
+_ALL_CORES = frozenset(os.sched_getaffinity(0))
 _ids = itertools.count()
 
 
@@ -41,6 +46,21 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+@contextlib.contextmanager
+def _pinned_daemon(core: int) -> Iterator[DaemonProcess]:
+    """``kvd serve`` on ``core``: it inherits this process's affinity while it starts."""
+    daemon = DaemonProcess()
+    os.sched_setaffinity(0, {core} & _ALL_CORES or _ALL_CORES)
+    try:
+        daemon.start()
+    finally:
+        os.sched_setaffinity(0, _ALL_CORES)
+    try:
+        yield daemon
+    finally:
+        daemon.__exit__()
 
 
 class Engine:
@@ -55,6 +75,8 @@ class Engine:
             **os.environ,
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "VLLM_CPU_OMP_THREADS_BIND": str(core),
+            # Idle OpenMP threads sleep instead of spinning on the core kvd shares.
+            "OMP_WAIT_POLICY": "PASSIVE",
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
         }
         with open(self.log, "wb") as log:
@@ -189,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
     ):
         work = Path(tmp)
         model = make_model(work / "model")
-        with DaemonProcess() as kvd:
+        with _pinned_daemon(KVD_CORE) as kvd:
             prefill = Prefill(work, model, "NixlConnector", None, args.prefill_block_size)
             try:
                 prefill.wait_ready()

@@ -8,10 +8,10 @@ sees a consistent picture without locks. ``Status`` replies read the same object
 
 To count something new, add one line to ``Metrics.__init__``::
 
-    self.replays = self.counter("kvd_replays_total", "Replay requests answered.")
+    self.timeouts = self.counter("kvd_timeouts_total", "Waits that timed out.")
     self.drops = self.labelled_counter("kvd_drops_total", "Events dropped, by cause.", "cause")
 
-and bump it where it happens (``metrics.replays.value += 1``, ``metrics.drops.inc("hwm")``, or
+and bump it where it happens (``metrics.timeouts.value += 1``, ``metrics.drops.inc("hwm")``, or
 bind ``drops.labels("hwm")`` once and bump its ``value``). Unlabelled counters also show up in
 ``kvd status`` under their name without ``kvd_`` and ``_total``.
 """
@@ -186,6 +186,10 @@ class Metrics:
             "kvd_repeated_notifications_total",
             "Notifications kvd already knew (answered from the recorded outcome, or by the "
             "event of the one still in flight); none rewrites a block.",
+        )
+        self.replays = self.counter(
+            "kvd_replays_total",
+            "Replay requests answered (counted by the replay thread, its only writer).",
         )
         self.leases_expired = self.counter(
             "kvd_leases_expired_total",

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from kvd.daemon.metrics import Counter
 from kvd.daemon.sockets import raw_send
 from kvd.protocol import END_SEQ, Event, Reason, Replay, ReplayEnd, encode_seq
 
@@ -137,7 +138,9 @@ class ReplayServer:
     ``REPLAY_STALL_S`` or goes away is given up on (its subscription asks again).
     """
 
-    def __init__(self, sock: zmq.Socket[bytes], events: EventLog, epoch: int) -> None:
+    def __init__(
+        self, sock: zmq.Socket[bytes], events: EventLog, epoch: int, answered: Counter
+    ) -> None:
         self._sock = sock
         sock.setsockopt(zmq.SNDHWM, REPLAY_QUEUE)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -147,7 +150,7 @@ class ReplayServer:
         self._decoder = msgspec.msgpack.Decoder(Replay)
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvd-replay", daemon=True)
-        self.answered = 0
+        self.answered = answered
         self.abandoned = 0
 
     def start(self) -> None:
@@ -201,7 +204,7 @@ class ReplayServer:
             topic=request.topic, oldest_seq=oldest, newest_seq=newest, epoch=self._epoch
         )
         if self._send([*envelope, topic, encode_seq(END_SEQ), self._encoder.encode(end)]):
-            self.answered += 1
+            self.answered.value += 1
 
     def _send(self, frames: list[bytes]) -> bool:
         """Send one answer frame set; False when the peer is gone or stopped reading."""

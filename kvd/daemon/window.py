@@ -7,8 +7,9 @@ each finished job (its blocks, and how long it kept the executor and the loop bu
 The rule. Every job costs a fixed launch overhead ``c0`` (the loop's work to launch and finish
 it, the journal records, the kernel call) plus ``c1`` per block; kvd fits both to recent jobs by
 least squares. Cost is work (CPU time of the loop and the executor thread, or time on the GPU),
-not wall time: waiting for the GIL or a wake-up overlaps with other work, and is not saved. A request that joins a waiting batch saves one launch, ``c0``; waiting
-costs each request already in the batch the time waited. With requests of the batch's key
+not wall time: waiting for the GIL or a wake-up overlaps with other work, and is not saved.
+A request that joins a waiting batch saves one launch, ``c0``; waiting costs each request
+already in the batch the time waited. With requests of the batch's key
 arriving at rate ``λ``, the next instant ``dt`` of waiting brings ``λ dt`` requests, saving
 ``λ dt c0``, and costs the ``1 + λ W`` requests gathered after a wait ``W`` each ``dt``. Waiting
 pays while ``λ c0 > 1 + λ W``: the window is ``W = c0 - 1/λ``, so nothing while requests come
