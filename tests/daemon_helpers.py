@@ -7,6 +7,8 @@ import secrets
 import select
 import socket
 import struct
+import subprocess
+import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -167,3 +169,15 @@ class EventTap:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def kvd(*args: str) -> subprocess.CompletedProcess[str]:
+    """``kvd ARGS`` as a user types it, its output captured. The subprocess timeout is far
+    above any tool's own: a tool that waited for ever fails the test instead of hanging it."""
+    return subprocess.run(
+        [sys.executable, "-m", "kvd", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )

@@ -2,23 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from kvd import __version__
 from kvd.daemon_process import DaemonProcess
-
-
-def kvd(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvd", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+from tests.daemon_helpers import kvd
 
 
 @pytest.mark.parametrize("flag", ["-V", "--version"])

@@ -21,6 +21,7 @@ from kvd.client import AsyncClient, Client, KvdTimeout, KvdUnavailable, ReplayEr
 from kvd.daemon.sockets import RuntimeLock
 from kvd.daemon_process import DaemonProcess
 from kvd.endpoints import check_running
+from tests.daemon_helpers import kvd
 
 TOOLS = [
     ["status"],
@@ -30,17 +31,6 @@ TOOLS = [
     ["set", "batch-window-us", "50"],
     ["detach", "c0", "--force"],
 ]
-
-
-def kvd(*args: str) -> subprocess.CompletedProcess[str]:
-    # The subprocess timeout is far below --timeout: a tool that waited would fail the test.
-    return subprocess.run(
-        [sys.executable, "-m", "kvd", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
 
 
 @pytest.fixture(scope="module")

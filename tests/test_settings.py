@@ -3,8 +3,6 @@ for kvd's own user over ipc, and ``kvd status`` and the metrics show the value i
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,18 +10,8 @@ import pytest
 from kvd.client import Client, KvdError, ShmCache
 from kvd.daemon_process import DaemonProcess
 from kvd.protocol import Ready
-from tests.daemon_helpers import by_req, collect
+from tests.daemon_helpers import by_req, collect, kvd
 from tests.test_metrics_http import scrape
-
-
-def kvd(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvd", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
 
 
 def test_kvd_set_changes_the_window_of_a_running_kvd(short_tmp: Path) -> None:

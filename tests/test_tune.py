@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from kvd.bench.tune import TuneError, WindowResult, parse_windows, recommend
+from tests.daemon_helpers import kvd
 from tests.tty import run_on_tty
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -64,16 +64,6 @@ def test_bad_windows(text: str, message: str) -> None:
     with pytest.raises(TuneError, match=message):
         parse_windows(text)
     assert parse_windows("0, 50,100") == [0, 50, 100]
-
-
-def kvd(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvd", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
 
 
 def test_arguments_that_cannot_work_are_usage_errors() -> None:

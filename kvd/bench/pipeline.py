@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -34,6 +35,7 @@ from kvd.daemon_process import DaemonProcess
 from kvd.progress import progress_bar
 from kvd.protocol import Layout
 from kvd.shm import ShmCache
+from kvd.tables import format_table
 
 CACHE_ID = "bench"
 TARGET_P50 = 1.3
@@ -48,6 +50,9 @@ class Figures:
     p99_us: float
     failed: int
     """Failed events among them (a healthy run has none)."""
+    cpu_us: float = 0.0
+    """CPU time of the target's process (all its threads) per notification of the throughput
+    run: unlike rates, barely moved by other work on the machine."""
 
 
 class _Kind(msgspec.Struct):
@@ -71,6 +76,13 @@ class MixError(RuntimeError):
     """The target sent no events, failed a warm-up notification or stopped answering."""
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far, all threads (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def percentile(ordered: list[float], q: float) -> float:
     """The ``q`` quantile (0..1) of ``ordered`` (sorted), nearest rank below."""
     return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
@@ -85,7 +97,10 @@ class Target:
         ingest: str,
         events: str,
         topic: str = CACHE_ID,
+        pid: int = 0,
     ) -> None:
+        self.pid = pid
+        """The process under test, for its CPU time (0: not measured)."""
         self.push = ctx.socket(zmq.PUSH)
         self.push.setsockopt(zmq.SNDHWM, 0)
         self.push.setsockopt(zmq.LINGER, 0)
@@ -152,12 +167,15 @@ def measure(target: Target, make: Callable[[str], bytes], messages: int, samples
             target.push.send(frame)
 
     sender = threading.Thread(target=send)
+    cpu_s = process_cpu_s(target.pid) if target.pid else 0.0
     start = time.perf_counter()
     sender.start()
     failed = 0
     for _ in range(messages):
         failed += _KIND.decode(target.sub.recv_multipart()[2]).type == "failed"
     elapsed = time.perf_counter() - start
+    if target.pid:
+        cpu_s = process_cpu_s(target.pid) - cpu_s
     sender.join()
 
     # Latency: one notification at a time, ReadDone sent to its event received.
@@ -174,6 +192,7 @@ def measure(target: Target, make: Callable[[str], bytes], messages: int, samples
         p50_us=percentile(latencies, 0.50),
         p99_us=percentile(latencies, 0.99),
         failed=failed,
+        cpu_us=cpu_s / messages * 1e6,
     )
 
 
@@ -188,6 +207,25 @@ class Mix:
     """Open loop when > 0: notifications per second on a fixed schedule, whatever the replies
     (late ones are sent at once, in a burst). At most ``slots`` are in flight either way."""
     warmup: int = 0
+
+
+def slot_messages(
+    cache_id: str, blocks: int, remote_layout: Layout, ratio: int
+) -> Callable[[str, int], bytes]:
+    """``make(req_id, slot)`` for ``drive``: a ReadDone naming the ``blocks`` blocks of its slot,
+    so that requests in flight at the same time never share one."""
+
+    def make(req_id: str, slot: int) -> bytes:
+        first = slot * blocks
+        return read_done_message(
+            req_id,
+            cache_id,
+            range(first, first + blocks),
+            remote_layout=remote_layout,
+            block_size_ratio=ratio,
+        )
+
+    return make
 
 
 EVENT_TIMEOUT_S = 30.0
@@ -346,7 +384,7 @@ def run(args: argparse.Namespace) -> int:
             )
             if relay.stdout is None or relay.stdout.readline().strip() != b"ready":
                 raise RuntimeError(f"the {name} relay did not start")
-            targets[name] = Target(ctx, ingest, events)
+            targets[name] = Target(ctx, ingest, events, pid=relay.pid)
         daemon.start()
         # Open for the whole run: the cache is held by this connection (engine_lease_s).
         client = daemon.client()
@@ -354,7 +392,8 @@ def run(args: argparse.Namespace) -> int:
         status = client.status()
         window = "auto" if status.batch_window_auto else status.batch_window_us
         endpoints = daemon.endpoints()
-        targets["kvd"] = Target(ctx, endpoints.ingest, endpoints.events)
+        assert daemon.proc is not None
+        targets["kvd"] = Target(ctx, endpoints.ingest, endpoints.events, pid=daemon.proc.pid)
         makers = {name: _messages(name, args.blocks, args.transform, windows) for name in targets}
         for name, target in targets.items():
             target.warm_up(makers[name])
@@ -375,6 +414,7 @@ def run(args: argparse.Namespace) -> int:
                     bar.write(
                         f"round {r + 1}/{args.rounds} {name:9}: {figures.throughput:10,.0f} msg/s"
                         f"  p50 {figures.p50_us:7.1f} us  p99 {figures.p99_us:7.1f} us"
+                        f"  CPU {figures.cpu_us:5.1f} us/msg"
                     )
                     bar.update()
     finally:
@@ -407,6 +447,7 @@ def _ratios(kvd: list[Figures], floor: list[Figures]) -> dict[str, float]:
         "throughput": statistics.median(k.throughput / f.throughput for k, f in pairs),
         "p50": statistics.median(k.p50_us / f.p50_us for k, f in pairs),
         "p99": statistics.median(k.p99_us / f.p99_us for k, f in pairs),
+        "cpu": statistics.median(k.cpu_us / f.cpu_us if f.cpu_us else 0.0 for k, f in pairs),
     }
 
 
@@ -439,29 +480,32 @@ def _report(
 
 def _table(report: dict[str, Any]) -> str:
     figures, ratios = report["figures"], report["ratios"]
+    names = ("relay-api", "relay-raw", "kvd")
+    rows = [["", *names, "kvd/api", "kvd/raw", "target (vs relay-api)"]]
+    for label, field, fmt, key, target in (
+        ("throughput (msg/s)", "throughput", "{:,.0f}", "throughput", f">= {TARGET_THROUGHPUT}x"),
+        ("latency p50 (us)", "p50_us", "{:.1f}", "p50", f"<= {TARGET_P50}x"),
+        ("latency p99 (us)", "p99_us", "{:.1f}", "p99", ""),
+        ("CPU per msg (us)", "cpu_us", "{:.1f}", "cpu", ""),
+    ):
+        rows.append(
+            [
+                label,
+                *(fmt.format(figures[n][field]) for n in names),
+                *(f"{ratios[floor][key]:.2f}x" for floor in FLOORS),
+                target,
+            ]
+        )
     lines = [
         f"kvd bench pipeline: {report['rounds']} rounds, {report['messages']} notifications "
         f"per throughput run, {report['latency_samples']} latency samples, "
         f"{report['blocks_per_notification']} blocks each, transform {report['transform']}, "
         f"batch window {report['batch_window_us']} us",
         "",
-        f"{'':20}{'relay-api':>11}{'relay-raw':>11}{'kvd':>11}"
-        f"{'kvd/api':>10}{'kvd/raw':>10}  target (vs relay-api)",
+        *format_table(rows, right=range(1, 6)),
+        "",
+        "CPU per msg: the process's CPU time (all threads) per notification of the throughput runs",
     ]
-    rows = [
-        ("throughput (msg/s)", "throughput", "{:,.0f}", f">= {TARGET_THROUGHPUT}x"),
-        ("latency p50 (us)", "p50_us", "{:.1f}", f"<= {TARGET_P50}x"),
-        ("latency p99 (us)", "p99_us", "{:.1f}", ""),
-    ]
-    for label, field, fmt, target in rows:
-        key = field.removesuffix("_us")
-        cells = "".join(
-            f"{fmt.format(figures[n][field]):>11}" for n in ("relay-api", "relay-raw", "kvd")
-        )
-        lines.append(
-            f"{label:20}{cells}{ratios['relay-api'][key]:>9.2f}x{ratios['relay-raw'][key]:>9.2f}x"
-            f"  {target}"
-        )
     failed = {n: f["failed"] for n, f in figures.items() if f["failed"]}
     if failed:
         lines += ["", f"WARNING: Failed events (median per round): {failed}"]

@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import zmq
 
-from kvd.bench.pipeline import Figures, Mix, MixError, Target, drive
+from kvd.bench.pipeline import Figures, Mix, MixError, Target, drive, slot_messages
 from kvd.client import read_done_message
 from kvd.daemon_process import DaemonError, DaemonProcess
 from kvd.dtypes import ITEMSIZE
@@ -152,22 +152,6 @@ def _check(args: argparse.Namespace) -> tuple[list[int], int]:
     return windows, slots
 
 
-def _maker(args: argparse.Namespace) -> Callable[[str, int], bytes]:
-    blocks = args.blocks
-
-    def make(req_id: str, slot: int) -> bytes:
-        first = slot * blocks
-        return read_done_message(
-            req_id,
-            CACHE_ID,
-            range(first, first + blocks),
-            remote_layout=args.remote_layout,
-            block_size_ratio=args.ratio,
-        )
-
-    return make
-
-
 def _probe_maker(args: argparse.Namespace) -> Callable[[str], bytes]:
     """Notifications without work (the local layout, ratio 1) to see that events flow."""
     counter = iter(range(1 << 62))
@@ -219,7 +203,7 @@ def _measure_window(
             )
             return drive(
                 target,
-                _maker(args),
+                slot_messages(CACHE_ID, args.blocks, args.remote_layout, args.ratio),
                 slots=slots,
                 mix=mix,
                 prefix=f"w{window_us}",

@@ -30,7 +30,15 @@ from typing import Any
 
 import zmq
 
-from kvd.bench.pipeline import Figures, Mix, MixError, Target, drive, percentile
+from kvd.bench.pipeline import (
+    Figures,
+    Mix,
+    MixError,
+    Target,
+    drive,
+    percentile,
+    slot_messages,
+)
 from kvd.client import Client, read_done_message
 from kvd.daemon_process import DaemonError, DaemonProcess
 from kvd.progress import progress_bar
@@ -100,20 +108,6 @@ def parse_loads(concurrency: str | None, rates: str | None) -> list[Load]:
     if any(not (load.concurrency or load.rate) for load in loads):
         raise WindowsError("--concurrency and --rates take positive numbers")
     return loads
-
-
-def _maker(blocks: int, ratio: int) -> Callable[[str, int], bytes]:
-    def make(req_id: str, slot: int) -> bytes:
-        first = slot * blocks
-        return read_done_message(
-            req_id,
-            CACHE_ID,
-            range(first, first + blocks),
-            remote_layout="HND",
-            block_size_ratio=ratio,
-        )
-
-    return make
 
 
 def _probe() -> Callable[[str], bytes]:
@@ -244,7 +238,7 @@ def _measure(
     _, ratio = TRANSFORMS[args.transform]
     return drive(
         target,
-        _maker(args.blocks, ratio),
+        slot_messages(CACHE_ID, args.blocks, "HND", ratio),
         slots=load.slots,
         mix=mix,
         prefix=f"{load.name.replace(' ', '')}-{window}-{next(_RUNS)}",
