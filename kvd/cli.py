@@ -522,6 +522,7 @@ def _add_bench(commands: Any) -> None:
     kernels.add_argument("--heads", type=int, default=8, help="KV heads")
     kernels.add_argument("--head-dim", type=int, default=128, help="head dimension")
     kernels.add_argument("--repeat", type=int, default=7, help="interleaved repetitions")
+    add_progress_flag(kernels)
     kernels.set_defaults(run=_bench_kernels)
     from kvd.bench.vllm import add_arguments as add_vllm_arguments
 

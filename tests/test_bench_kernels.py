@@ -34,3 +34,19 @@ def test_bench_kernels_reports_every_case(capsys: pytest.CaptureFixture[str]) ->
     with_chain = {r["case"] for r in report["rows"] if r["vllm_over_kvd"] is not None}
     assert "HND->NHD r=1 bfloat16" in with_chain and "LBHNC r=4 bfloat16" in with_chain
     assert all(r["meets_target"] is not None for r in report["rows"] if "bfloat16" in r["case"])
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["bench", "kernels"],
+        ["bench", "pipeline"],
+        ["bench", "chaos"],
+        ["bench", "vllm"],
+        ["tune"],
+        ["demo"],
+    ],
+)
+def test_every_long_command_takes_no_progress(command: list[str]) -> None:
+    args = build_parser().parse_args([*command, "--no-progress"])
+    assert args.no_progress

@@ -22,8 +22,7 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -33,6 +32,7 @@ from kvd.dtypes import torch_dtype
 from kvd.kernels import CachePostProcess, region_views
 from kvd.layout.formats import PRESETS, PageSizes, is_cross_layer, page_elements
 from kvd.layout.geometry import TensorGeometry
+from kvd.progress import progress_bar
 from kvd.protocol import DTypeName
 from kvd.tables import format_table
 
@@ -246,18 +246,6 @@ def run_case(args: argparse.Namespace, case: Case, progress: Callable[[], None])
     )
 
 
-@contextmanager
-def _progress(total: int, enabled: bool) -> Iterator[Callable[[], None]]:
-    """A tqdm bar on a terminal; nothing otherwise."""
-    if not enabled or not sys.stderr.isatty():
-        yield lambda: None
-        return
-    from tqdm import tqdm
-
-    with tqdm(total=total, desc="kvd bench kernels", unit="rep", leave=False) as bar:
-        yield lambda: bar.update(1)
-
-
 @dataclass
 class LatencyRow:
     blocks: int
@@ -319,8 +307,11 @@ def run(args: argparse.Namespace) -> int:
         lane_for(device).enter()
     cases = [c for c in CASES if args.block_size % abs(c.ratio) == 0]
     rows = []
-    with _progress(len(cases) * args.repeat, not args.json) as step:
-        rows = [run_case(args, case, step) for case in cases]
+    quiet = args.json or args.no_progress
+    with progress_bar(
+        len(cases) * args.repeat, "kvd bench kernels", unit="rep", quiet=quiet
+    ) as bar:
+        rows = [run_case(args, case, bar.update) for case in cases]
     latency_rows = latency(args, device) if device.type == "cuda" else []
     stats: dict[str, dict[str, int]] = {}
     if device.type == "cuda":
