@@ -17,7 +17,6 @@ from kvd.daemon.sockets import Connection
 from kvd.kernels import CachePostProcess
 from kvd.layout.formats import has_heads, legacy_remote_format
 from kvd.layout.geometry import TensorGeometry
-from kvd.layout.planner import group_shape
 from kvd.protocol import PageFormat, Reason, TensorSpec
 
 
@@ -38,26 +37,9 @@ class Rewrite:
     postprocess: CachePostProcess
     remote: PageFormat
     remote_block_size: int
-    moves: bool = field(init=False)
-    """Whether the format pair moves bytes at this block size (checked here: raises
-    ``FormatError`` when the remote format cannot land in the local one)."""
-    _full_cover: tuple[int, int] = field(init=False)
-    """(local, remote) pages per group: a request of n ids is fully covered by n // local *
-    remote sub-blocks."""
-
-    def __post_init__(self) -> None:
-        moves = self.postprocess.needs_work(self.remote, self.remote_block_size)
-        object.__setattr__(self, "moves", moves)
-        shape = group_shape(self.postprocess.block_size, self.remote_block_size)
-        object.__setattr__(self, "_full_cover", shape)
 
     def needs_work(self, covered: int, num_ids: int) -> bool:
-        """Whether rewriting a request changes a byte: the pair moves bytes, or ``covered``
-        leaves pages (partly) unwritten, to be zeroed. On the loop for every ReadDone: cheap."""
-        if self.moves:
-            return True
-        pages, remote_pages = self._full_cover
-        return bool(covered) and (not num_ids or covered < num_ids // pages * remote_pages)
+        return self.postprocess.needs_work(self.remote, self.remote_block_size, covered, num_ids)
 
     def apply(self, requests: list[tuple[list[int], int]]) -> None:
         """Rewrite each (block ids, covered_sub_blocks) request (executor thread)."""
@@ -101,11 +83,12 @@ class AttachedCache:
         key = (remote, remote_block_size)
         known = self._rewrites.get(key)
         if known is None:
-            # The format pair is checked now (constructing a Rewrite), not on the executor.
             known = [
                 Rewrite(postprocess, _remote_for(local, remote), remote_block_size)
                 for local, postprocess in self.postprocesses.items()
             ]
+            for rewrite in known:  # the format pair is checked now, not on the executor
+                rewrite.needs_work(0, 0)
             self._rewrites[key] = known
         return known
 

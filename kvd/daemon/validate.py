@@ -48,10 +48,9 @@ class Accept:
     def needs_work(self, msg: ReadDone) -> bool:
         """Whether any byte of ``msg``'s blocks changes (the format pair or the coverage)."""
         ids = msg.physical_block_ids
-        if not ids:
-            return False
-        covered, num_ids = msg.covered_sub_blocks, len(ids)
-        return any(rewrite.needs_work(covered, num_ids) for rewrite in self.rewrites)
+        return bool(ids) and any(
+            r.needs_work(msg.covered_sub_blocks, len(ids)) for r in self.rewrites
+        )
 
 
 Verdict = Accept | Rejection | Repeat | InFlight
