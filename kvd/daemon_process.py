@@ -107,8 +107,12 @@ class DaemonProcess:
     def __enter__(self) -> DaemonProcess:
         return self.start()
 
-    def __exit__(self, *exc: object) -> None:
+    def close(self) -> None:
+        """Stop it gracefully; kill it whatever happens (a failed or slow drain included)."""
         try:
             self.stop()
         finally:
             self.kill()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -609,9 +609,8 @@ def run_chaos(
             tally.error = tally.error or monkey.error
         tally.elapsed_s = time.monotonic() - started
         try:
-            daemon.stop()
+            daemon.close()
         finally:
-            daemon.kill()
             cache.close()
     if tally.ok:
         shutil.rmtree(runtime_dir, ignore_errors=True)

@@ -213,10 +213,7 @@ def _measure_window(
             target.close()
     finally:
         client.close()
-        try:
-            daemon.stop()
-        finally:
-            daemon.kill()
+        daemon.close()
 
 
 def run(args: argparse.Namespace) -> int:

@@ -60,7 +60,7 @@ def _pinned_daemon(core: int) -> Iterator[DaemonProcess]:
     try:
         yield daemon
     finally:
-        daemon.__exit__()
+        daemon.close()
 
 
 class Engine:

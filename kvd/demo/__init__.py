@@ -218,10 +218,7 @@ def run(args: argparse.Namespace) -> int:
                     except subprocess.TimeoutExpired:
                         child.kill()
             finally:
-                try:
-                    daemon.stop()
-                finally:
-                    daemon.kill()
+                daemon.close()
     report = _report(cases, notifications, args)
     if args.json:
         print(json.dumps(report, indent=2))
