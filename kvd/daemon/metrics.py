@@ -4,7 +4,9 @@ The hot path only does ``counter.value += n`` and ``histogram.observe(x)`` on pl
 objects: no locks, no label lookups, no ``prometheus_client`` call. A custom collector turns
 the live values into metric families when ``/metrics`` is scraped, and ``prometheus_client``
 writes the text format. Everything is updated and scraped on the event loop thread, so a scrape
-sees a consistent picture without locks. ``Status`` replies read the same objects.
+sees a consistent picture without locks; the one exception, ``kvd_replays_total``, has a single
+writer (the replay thread), so it only ever reads a little behind. ``Status`` replies read the
+same objects.
 
 To count something new, add one line to ``Metrics.__init__``::
 
