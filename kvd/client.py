@@ -87,19 +87,6 @@ def resolve_runtime_dir(
     return Path(runtime_dir)
 
 
-def resolve_endpoints(
-    runtime_dir: str | Path | None = None,
-    *,
-    gpu: str = "0",
-    endpoints: Endpoints | None = None,
-) -> Endpoints:
-    if endpoints is not None:
-        return endpoints
-    found = resolve_runtime_dir(runtime_dir, gpu=gpu)
-    assert found is not None
-    return read_endpoints(found)
-
-
 class _Locator:
     """Where a client's daemon is, and whether one is there (see ``check_running``)."""
 

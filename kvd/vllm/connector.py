@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import time
 from collections.abc import Iterator
@@ -55,9 +54,10 @@ from kvd.client import (
     KvdUnavailable,
     Subscription,
     read_done_message,
+    resolve_runtime_dir,
 )
 from kvd.dtypes import dtype_name
-from kvd.endpoints import daemon_alive, default_runtime_dir
+from kvd.endpoints import daemon_alive
 from kvd.protocol import CACHE_ID_MAX, MemoryRef, ShmRef, TensorSpec
 from kvd.subscription import ReplayError
 from kvd.vllm.formats import UnknownFormat, page_format, remote_page_format
@@ -82,11 +82,9 @@ class KvdWorker(NixlPullConnectorWorker):
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, engine_id, kv_cache_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
-        self.kvd_dir = Path(
-            extra.get("kvd_runtime_dir")
-            or os.environ.get("KVD_RUNTIME_DIR")
-            or default_runtime_dir(str(self.tp_rank))
-        )
+        found = resolve_runtime_dir(extra.get("kvd_runtime_dir") or None, gpu=str(self.tp_rank))
+        assert found is not None  # no explicit endpoints: always a directory
+        self.kvd_dir = found
         self.down_timeout_s = float(extra.get("kvd_down_timeout_s", DOWN_TIMEOUT_S))
         self._stats_path = extra.get("kvd_stats_path")
         if len(kv_cache_config.kv_cache_groups) != 1:
