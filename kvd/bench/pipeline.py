@@ -228,6 +228,19 @@ def slot_messages(
     return make
 
 
+def probe_messages(cache_id: str, layout: Layout) -> Callable[[str], bytes]:
+    """``make(tag)`` for ``Target.warm_up``: ReadDones without work (the cache's own layout,
+    ratio 1), each under a new req_id, to see that events flow."""
+    counter = iter(range(1 << 62))
+
+    def make(tag: str) -> bytes:
+        return read_done_message(
+            f"probe-{tag}-{next(counter)}", cache_id, [0], remote_layout=layout, block_size_ratio=1
+        )
+
+    return make
+
+
 EVENT_TIMEOUT_S = 30.0
 
 

@@ -26,8 +26,15 @@ from typing import Any, Literal
 
 import zmq
 
-from kvd.bench.pipeline import Figures, Mix, MixError, Target, drive, slot_messages
-from kvd.client import read_done_message
+from kvd.bench.pipeline import (
+    Figures,
+    Mix,
+    MixError,
+    Target,
+    drive,
+    probe_messages,
+    slot_messages,
+)
 from kvd.daemon_process import DaemonError, DaemonProcess
 from kvd.dtypes import ITEMSIZE
 from kvd.progress import progress_bar
@@ -152,22 +159,6 @@ def _check(args: argparse.Namespace) -> tuple[list[int], int]:
     return windows, slots
 
 
-def _probe_maker(args: argparse.Namespace) -> Callable[[str], bytes]:
-    """Notifications without work (the local layout, ratio 1) to see that events flow."""
-    counter = iter(range(1 << 62))
-
-    def make(tag: str) -> bytes:
-        return read_done_message(
-            f"probe-{tag}-{next(counter)}",
-            CACHE_ID,
-            [0],
-            remote_layout=args.layout,
-            block_size_ratio=1,
-        )
-
-    return make
-
-
 def _measure_window(
     args: argparse.Namespace,
     *,
@@ -194,7 +185,7 @@ def _measure_window(
         endpoints = daemon.endpoints()
         target = Target(ctx, endpoints.ingest, endpoints.events, topic=CACHE_ID)
         try:
-            target.warm_up(_probe_maker(args))
+            target.warm_up(probe_messages(CACHE_ID, args.layout))
             mix = Mix(
                 messages=args.messages,
                 concurrency=args.concurrency,

@@ -23,7 +23,7 @@ import json
 import statistics
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,9 +37,10 @@ from kvd.bench.pipeline import (
     Target,
     drive,
     percentile,
+    probe_messages,
     slot_messages,
 )
-from kvd.client import Client, read_done_message
+from kvd.client import Client
 from kvd.daemon_process import DaemonError, DaemonProcess
 from kvd.progress import progress_bar
 from kvd.protocol import MAX_BATCH_WINDOW_US, BatchWindow
@@ -110,18 +111,6 @@ def parse_loads(concurrency: str | None, rates: str | None) -> list[Load]:
     return loads
 
 
-def _probe() -> Callable[[str], bytes]:
-    """Notifications without work (NHD at ratio 1) to see that events flow."""
-    counter = iter(range(1 << 62))
-
-    def make(tag: str) -> bytes:
-        return read_done_message(
-            f"probe-{tag}-{next(counter)}", CACHE_ID, [0], remote_layout="NHD", block_size_ratio=1
-        )
-
-    return make
-
-
 def _check(args: argparse.Namespace) -> tuple[list[BatchWindow], list[Load]]:
     windows = parse_windows(args.windows)
     loads = parse_loads(args.concurrency, args.rates)
@@ -168,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
             endpoints = daemon.endpoints()
             target = Target(ctx, endpoints.ingest, endpoints.events, topic=CACHE_ID)
             try:
-                target.warm_up(_probe())
+                target.warm_up(probe_messages(CACHE_ID, "NHD"))
                 for load in loads:
                     for r in range(args.rounds):
                         for window in windows if r % 2 == 0 else windows[::-1]:
