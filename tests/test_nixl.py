@@ -434,6 +434,30 @@ def test_a_peer_that_dies_or_hangs_ends_as_failed(
         cache.close()
 
 
+def test_a_reader_outlives_a_peer_killed_before_its_read(
+    daemon: DaemonProcess, short_tmp: Path
+) -> None:
+    """UCX left the failed READ's copies queued and asserted on them when the agent went,
+    aborting the decode process (seen in CI). Its own process, so an abort fails only this."""
+    iterations = 8
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tests.nixl_peer_death",
+            str(daemon.runtime_dir),
+            str(short_tmp),
+            str(iterations),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-3000:]}"
+    assert done.stdout.strip() == f"survived {iterations}"
+
+
 def test_close_fails_reads_in_flight(client: Client, short_tmp: Path) -> None:
     cache_id = "nixl-close"
     cache = local_cache(client, cache_id, block_size=REMOTE_SIZE)

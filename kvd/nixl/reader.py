@@ -398,6 +398,7 @@ class Reader:
         self._pending = []
         for engine_id in list(self._peers):
             self.remove_peer(engine_id)
+        self._settle()  # endpoints closing and READs given up finish before memory goes
         for cache in self._caches.values():
             for dlist in cache.dlists.values():
                 self.agent.release_dlist_handle(dlist)
@@ -445,6 +446,7 @@ class Reader:
             # A READ still running cannot always be aborted; its blocks are reported failed.
             log.warning("request %r: could not release the NIXL handle: %s", p.req_id, e)
         if reason:
+            self._settle()
             self._fail(
                 p.req_id,
                 p.engine_id,
@@ -479,6 +481,20 @@ class Reader:
                 finished,
             )
         )
+
+    def _settle(self) -> None:
+        """Progress the agent until UCX has nothing left to do.
+
+        A READ that fails part-way (its peer died during the post) can leave operations queued
+        on UCX's endpoint that only progress completes, with an error. Without a progress
+        thread nothing else runs them, and destroying the agent with them queued aborts the
+        process (UCX asserts its endpoint queues are empty). NIXL's notification check
+        progresses the worker until it is idle; decode receives no notifications.
+        """
+        try:
+            self.agent.get_new_notifs()
+        except self._nixl_errors as e:
+            log.warning("progressing the NIXL agent after a failure: %s", e)
 
     def _fail(
         self,
