@@ -24,6 +24,12 @@ from kvd.tables import format_table
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Before any command imports torch, whose OpenMP runtime reads it once: idle OpenMP workers
+    # then sleep instead of spinning. kvd's CPU kernel runs its own threads, and a torch worker
+    # still spinning after some earlier op takes the core one of them needs (kvd/copy went from
+    # about 1.3x to 1.0x in `kvd bench kernels`); a sidecar should not burn the engine's cores
+    # idling either. A value the user set is kept.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -34,6 +37,28 @@ def test_bench_kernels_reports_every_case(capsys: pytest.CaptureFixture[str]) ->
     with_chain = {r["case"] for r in report["rows"] if r["vllm_over_kvd"] is not None}
     assert "HND->NHD r=1 bfloat16" in with_chain and "LBHNC r=4 bfloat16" in with_chain
     assert all(r["meets_target"] is not None for r in report["rows"] if "bfloat16" in r["case"])
+
+
+TINY = ["--layers=1", "--num-blocks=8", "--blocks=4", "--block-size=16", "--heads=2"]
+
+
+@pytest.mark.parametrize(("given", "in_force"), [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_kvd_sets_idle_openmp_workers_to_sleep_unless_told_otherwise(
+    given: str | None, in_force: str
+) -> None:
+    """The policy must be in the environment before torch loads OpenMP: a fresh process."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if given is not None:
+        env["OMP_WAIT_POLICY"] = given
+    done = subprocess.run(
+        [sys.executable, "-m", "kvd", "bench", "kernels", "--json", "--repeat=1", *TINY],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=True,
+    )
+    assert json.loads(done.stdout)["omp_wait_policy"] == in_force
 
 
 @pytest.mark.parametrize(

@@ -44,6 +44,22 @@ def test_cpu_kernel_splits_work_across_threads(threads: int) -> None:
 
 
 @needs_cpu_kernel
+@pytest.mark.parametrize("threads", [2, 3])
+def test_cpu_kernel_threads_share_many_chunks_of_groups(threads: int) -> None:
+    """Threads take chunks of groups from a shared counter: with 1 KiB pages a chunk is 256
+    groups, so 2,000 (K and V of 1,000 blocks) go in eight chunks; each page is rewritten once."""
+    cache = make_cache("NHD", dtype="bfloat16", block_size=8, num_blocks=1100, heads=4, head_dim=16)
+    ids = np.random.default_rng(3).permutation(1100)[:1000].tolist()
+    p = plan(PRESETS["HND"], PRESETS["NHD"], SIZES, 1)
+    regions = cache.regions()
+    bases = np.array([r.base for r in regions], dtype=np.int64)
+    strides = np.array([r.block_stride for r in regions], dtype=np.int64)
+    pages = cpu.page_table(bases, strides, np.array(ids, dtype=np.int64).reshape(-1, 1))
+    cpu.apply_runs(pages, p, threads=threads)
+    check_cache(cache, [(ids, 0)], "HND", 1)
+
+
+@needs_cpu_kernel
 def test_cpu_kernel_checks_its_page_table() -> None:
     p = plan(PRESETS["HND"], PRESETS["NHD"], SIZES, 16)
     with pytest.raises(ValueError, match="rows of 2 page addresses"):

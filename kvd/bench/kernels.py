@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -323,6 +324,7 @@ def run(args: argparse.Namespace) -> int:
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
         "backend": args.backend,
         "geometry": {
             "layers": args.layers,
@@ -402,7 +404,8 @@ def _table(report: dict[str, Any]) -> str:
     missed = [r["case"] for r in report["rows"] if r["meets_target"] is False]
     return "\n".join(
         [
-            f"kvd bench kernels on {report['device_name']} ({report['threads']} threads, backend "
+            f"kvd bench kernels on {report['device_name']} ({report['threads']} threads, "
+            f"OMP_WAIT_POLICY={report['omp_wait_policy'] or 'unset'}, backend "
             f"{report['backend']}): {g['layers']} layers, {g['listed_blocks']} of "
             f"{g['num_blocks']} blocks of {g['block_size']} tokens x {g['heads']} heads x "
             f"{g['head_dim']} head_dim (smaller blocks: more of them, same bytes), median of "

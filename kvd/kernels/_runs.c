@@ -100,6 +100,7 @@ static int install_fault_handlers(void) {
 
 typedef struct {
     const int64_t *pages;      /* n_groups * pages_per_group page addresses */
+    int64_t n_groups;
     int64_t pages_per_group;
     int64_t page_bytes;
     const int64_t *runs;       /* (dst_in_group, src_page or -1, src_offset, nbytes) */
@@ -107,10 +108,18 @@ typedef struct {
     const int64_t *write_back; /* (offset_in_group, nbytes), none straddling a page */
     int64_t n_write_back;
     int64_t prefetch;          /* runs ahead to prefetch the source of; 0: none */
-    int64_t first, last;       /* this worker's groups */
+    int64_t chunk;             /* groups a worker takes at a time */
+    int64_t next;              /* the first group no worker has taken (atomic) */
+} job_t;
+
+typedef struct {
+    job_t *job;
     int out_of_memory;
     fault_t fault;             /* signal 0: none */
 } work_t;
+
+/* Groups at least this many bytes per take: the shared counter is touched rarely. */
+#define CHUNK_BYTES (256 << 10)
 
 /* Constant sizes let the compiler inline the copy as a few vector moves: runs of one head_dim
  * row are far too short to amortise a call into libc's memcpy. */
@@ -130,38 +139,51 @@ static inline void copy_bytes(char *dst, const char *src, size_t n) {
  * prefetchers when runs are strided: ask for the source of the run `prefetch` runs ahead. */
 #define PREFETCH_BYTES 512
 
-static void run_groups(work_t *w, char *scratch) {
-    const int64_t k = w->pages_per_group, page_bytes = w->page_bytes, prefetch = w->prefetch;
-    for (int64_t g = w->first; g < w->last; g++) {
-        char *const *pages = (char *const *)(w->pages + g * k);
-        for (int64_t r = 0; r < w->n_runs; r++) {
-            const int64_t *run = w->runs + 4 * r;
-            if (prefetch && r + prefetch < w->n_runs) {
-                const int64_t *ahead = run + 4 * prefetch;
-                if (ahead[1] >= 0) {
-                    const char *p = pages[ahead[1]] + ahead[2];
-                    int64_t n = ahead[3] < PREFETCH_BYTES ? ahead[3] : PREFETCH_BYTES;
-                    for (int64_t o = 0; o < n; o += 64) __builtin_prefetch(p + o, 0, 3);
-                }
-            }
-            if (run[1] < 0) {
-                memset(scratch + run[0], 0, (size_t)run[3]);
-            } else {
-                copy_bytes(scratch + run[0], pages[run[1]] + run[2], (size_t)run[3]);
+/* One group: gather its moves into scratch, then copy the written ranges back. */
+static void run_group(const job_t *job, char *const *pages, char *scratch) {
+    const int64_t page_bytes = job->page_bytes, prefetch = job->prefetch;
+    for (int64_t r = 0; r < job->n_runs; r++) {
+        const int64_t *run = job->runs + 4 * r;
+        if (prefetch && r + prefetch < job->n_runs) {
+            const int64_t *ahead = run + 4 * prefetch;
+            if (ahead[1] >= 0) {
+                const char *p = pages[ahead[1]] + ahead[2];
+                int64_t n = ahead[3] < PREFETCH_BYTES ? ahead[3] : PREFETCH_BYTES;
+                for (int64_t o = 0; o < n; o += 64) __builtin_prefetch(p + o, 0, 3);
             }
         }
-        for (int64_t r = 0; r < w->n_write_back; r++) {
-            const int64_t *range = w->write_back + 2 * r;
-            int64_t page = range[0] / page_bytes;
-            memcpy(pages[page] + (range[0] - page * page_bytes), scratch + range[0],
-                   (size_t)range[1]);
+        if (run[1] < 0) {
+            memset(scratch + run[0], 0, (size_t)run[3]);
+        } else {
+            copy_bytes(scratch + run[0], pages[run[1]] + run[2], (size_t)run[3]);
+        }
+    }
+    for (int64_t r = 0; r < job->n_write_back; r++) {
+        const int64_t *range = job->write_back + 2 * r;
+        int64_t page = range[0] / page_bytes;
+        memcpy(pages[page] + (range[0] - page * page_bytes), scratch + range[0],
+               (size_t)range[1]);
+    }
+}
+
+/* Workers take chunks of groups from a shared counter rather than a fixed share each: a call
+ * is as slow as its slowest worker, and a core that something else is using (the engine, a
+ * neighbour, a hypervisor) would otherwise hold up the whole call. */
+static void run_groups(job_t *job, char *scratch) {
+    for (;;) {
+        int64_t first = __atomic_fetch_add(&job->next, job->chunk, __ATOMIC_RELAXED);
+        if (first >= job->n_groups) return;
+        int64_t last = first + job->chunk < job->n_groups ? first + job->chunk : job->n_groups;
+        for (int64_t g = first; g < last; g++) {
+            run_group(job, (char *const *)(job->pages + g * job->pages_per_group), scratch);
         }
     }
 }
 
 static void *run_worker(void *arg) {
     work_t *w = (work_t *)arg;
-    size_t group_bytes = (size_t)(w->pages_per_group * w->page_bytes);
+    job_t *job = w->job;
+    size_t group_bytes = (size_t)(job->pages_per_group * job->page_bytes);
     /* Cache-line aligned: the write-back reads it line by line. */
     char *scratch = aligned_alloc(64, (group_bytes + 63) / 64 * 64);
     if (scratch == NULL) {
@@ -171,7 +193,7 @@ static void *run_worker(void *arg) {
     w->fault.signal = 0;
     if (sigsetjmp(w->fault.jump, 1) == 0) {
         armed = &w->fault;
-        run_groups(w, scratch);
+        run_groups(job, scratch);
         armed = NULL;
     }
     free(scratch);
@@ -204,17 +226,20 @@ static PyObject *apply_runs(PyObject *self, PyObject *args) {
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (n_groups < threads) threads = (int)n_groups;
 
+    int64_t group_bytes = pages_per_group * page_bytes;
+    job_t job = {
+        .pages = (const int64_t *)(uintptr_t)pages, .n_groups = n_groups,
+        .pages_per_group = pages_per_group, .page_bytes = page_bytes,
+        .runs = (const int64_t *)(uintptr_t)runs, .n_runs = n_runs,
+        .write_back = (const int64_t *)(uintptr_t)write_back, .n_write_back = n_write_back,
+        .prefetch = prefetch, .chunk = group_bytes >= CHUNK_BYTES ? 1 : CHUNK_BYTES / group_bytes,
+        .next = 0,
+    };
     work_t work[MAX_THREADS];
     pthread_t tids[MAX_THREADS];
     int started[MAX_THREADS] = {0};
     for (int t = 0; t < threads; t++) {
-        work[t] = (work_t){
-            .pages = (const int64_t *)(uintptr_t)pages, .pages_per_group = pages_per_group,
-            .page_bytes = page_bytes, .runs = (const int64_t *)(uintptr_t)runs,
-            .n_runs = n_runs, .write_back = (const int64_t *)(uintptr_t)write_back,
-            .n_write_back = n_write_back, .prefetch = prefetch, .first = n_groups * t / threads,
-            .last = n_groups * (t + 1) / threads,
-        };
+        work[t] = (work_t){.job = &job};
     }
     Py_BEGIN_ALLOW_THREADS
     for (int t = 1; t < threads; t++) {
