@@ -47,7 +47,8 @@ def test_cpu_kernel_splits_work_across_threads(threads: int) -> None:
 @pytest.mark.parametrize("threads", [2, 3])
 def test_cpu_kernel_threads_share_many_chunks_of_groups(threads: int) -> None:
     """Threads take chunks of groups from a shared counter: with 1 KiB pages a chunk is 256
-    groups, so 2,000 (K and V of 1,000 blocks) go in eight chunks; each page is rewritten once."""
+    groups, so the 4,000 here (1,000 blocks in 4 regions) go in 16 chunks; each page is
+    rewritten once."""
     cache = make_cache("NHD", dtype="bfloat16", block_size=8, num_blocks=1100, heads=4, head_dim=16)
     ids = np.random.default_rng(3).permutation(1100)[:1000].tolist()
     p = plan(PRESETS["HND"], PRESETS["NHD"], SIZES, 1)
