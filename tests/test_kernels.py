@@ -22,11 +22,20 @@ from kvd.kernels import CachePostProcess, MemoryFault, cpu
 from kvd.layout.formats import PRESETS, PageSizes
 from kvd.layout.planner import plan
 from kvd.protocol import CudaIpcRef
-from tests.kernel_cases import check_cache, make_cache
+from tests.kernel_cases import Cache, check_cache, make_cache
 
 ROOT = Path(__file__).resolve().parent.parent
 needs_cpu_kernel = pytest.mark.skipif(not cpu.available(), reason="CPU kernel not built")
 SIZES = PageSizes(num_layers=1, num_heads=4, block_size=8, head_dim=16, itemsize=2)
+
+
+def hnd_to_nhd(cache: Cache, ids: list[int], ratio: int, threads: int) -> None:
+    """Run the C kernel on ``ids`` of ``cache`` (HND pages landed in NHD ones), one page a group."""
+    regions = cache.regions()
+    bases = np.array([r.base for r in regions], dtype=np.int64)
+    strides = np.array([r.block_stride for r in regions], dtype=np.int64)
+    pages = cpu.page_table(bases, strides, np.array(ids, dtype=np.int64).reshape(-1, 1))
+    cpu.apply_runs(pages, plan(PRESETS["HND"], PRESETS["NHD"], SIZES, ratio), threads=threads)
 
 
 @needs_cpu_kernel
@@ -34,12 +43,7 @@ SIZES = PageSizes(num_layers=1, num_heads=4, block_size=8, head_dim=16, itemsize
 def test_cpu_kernel_splits_work_across_threads(threads: int) -> None:
     cache = make_cache("NHD", dtype="bfloat16", block_size=8, num_blocks=9, heads=4, head_dim=16)
     ids = [8, 0, 5, 3]
-    p = plan(PRESETS["HND"], PRESETS["NHD"], SIZES, 4)
-    regions = cache.regions()
-    bases = np.array([r.base for r in regions], dtype=np.int64)
-    strides = np.array([r.block_stride for r in regions], dtype=np.int64)
-    pages = cpu.page_table(bases, strides, np.array(ids, dtype=np.int64).reshape(-1, 1))
-    cpu.apply_runs(pages, p, threads=threads)
+    hnd_to_nhd(cache, ids, 4, threads)
     check_cache(cache, [(ids, 0)], "HND", 4)
 
 
@@ -51,12 +55,7 @@ def test_cpu_kernel_threads_share_many_chunks_of_groups(threads: int) -> None:
     rewritten once."""
     cache = make_cache("NHD", dtype="bfloat16", block_size=8, num_blocks=1100, heads=4, head_dim=16)
     ids = np.random.default_rng(3).permutation(1100)[:1000].tolist()
-    p = plan(PRESETS["HND"], PRESETS["NHD"], SIZES, 1)
-    regions = cache.regions()
-    bases = np.array([r.base for r in regions], dtype=np.int64)
-    strides = np.array([r.block_stride for r in regions], dtype=np.int64)
-    pages = cpu.page_table(bases, strides, np.array(ids, dtype=np.int64).reshape(-1, 1))
-    cpu.apply_runs(pages, p, threads=threads)
+    hnd_to_nhd(cache, ids, 1, threads)
     check_cache(cache, [(ids, 0)], "HND", 1)
 
 
