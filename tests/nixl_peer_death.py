@@ -10,55 +10,31 @@ is closed and destroyed. Prints ``survived N`` at the end.
 from __future__ import annotations
 
 import gc
-import json
-import os
-import signal
-import subprocess
 import sys
-import time
 
 from kvd.client import Client
-from kvd.nixl.reader import Reader, ReadResult
+from kvd.demo.prefill import PrefillSpec
+from kvd.nixl.reader import Reader
 from kvd.shm import ShmCache
+from tests.nixl_helpers import finish, kill, spawn_prefill
 
 LAYERS, HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 2, 8, 128, 16, 64  # 16 MiB per READ
 
 
-def spawn_prefill(endpoint: str) -> tuple[subprocess.Popen[str], str]:
-    spec = {
-        "engine_id": "prefill-killed",
-        "block_size": BLOCK_SIZE,
-        "layout": "HND",
-        "seed": 1,
-        "num_blocks": NUM_BLOCKS,
-        "layers": LAYERS,
-        "heads": HEADS,
-        "head_dim": HEAD_DIM,
-        "endpoint": endpoint,
-    }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvd.demo.prefill", json.dumps(spec)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stdout is not None
-    return proc, json.loads(proc.stdout.readline())["ready"]["endpoint"]
-
-
-def finish(reader: Reader) -> ReadResult:
-    deadline = time.monotonic() + 20.0
-    while time.monotonic() < deadline:
-        results = reader.poll()
-        if results:
-            (result,) = results
-            return result
-        time.sleep(0.001)
-    raise TimeoutError("no ReadResult within 20 s")
-
-
 def one_death(client: Client, tmp_dir: str, i: int) -> None:
-    proc, endpoint = spawn_prefill(f"ipc://{tmp_dir}/killed-{i}.sock")
+    proc, endpoint = spawn_prefill(
+        PrefillSpec(
+            engine_id="prefill-killed",
+            block_size=BLOCK_SIZE,
+            layout="HND",
+            seed=1,
+            num_blocks=NUM_BLOCKS,
+            layers=LAYERS,
+            heads=HEADS,
+            head_dim=HEAD_DIM,
+            endpoint=f"ipc://{tmp_dir}/killed-{i}.sock",
+        )
+    )
     cache = ShmCache.create(
         num_layers=LAYERS,
         num_blocks=NUM_BLOCKS,
@@ -73,18 +49,15 @@ def one_death(client: Client, tmp_dir: str, i: int) -> None:
         reader.add_cache(cache_id, cache.tensors, cache.specs)
         reader.connect(endpoint)
         reader.read("before", "prefill-killed", cache_id, [0], [0])
-        before = finish(reader)
+        (before,) = finish(reader, 1)
         assert before.ok, before.reason
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+        kill(proc)
         every = list(range(NUM_BLOCKS))
         reader.read("after", "prefill-killed", cache_id, every, every)
-        after = finish(reader)
+        (after,) = finish(reader, 1)
         assert not after.ok and after.reason.startswith("NIXL"), after
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
+        kill(proc)
         reader.close()
         del reader
         gc.collect()  # the NIXL agent goes now, not at some later collection

@@ -7,7 +7,6 @@ the test checks kvd's events and the bytes that landed.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -24,8 +23,9 @@ import zmq
 
 from kvd.client import Client
 from kvd.daemon_process import DaemonProcess
+from kvd.demo.prefill import PrefillSpec
 from kvd.nixl.exporter import Exporter
-from kvd.nixl.reader import HandshakeError, Reader, ReadResult
+from kvd.nixl.reader import HandshakeError, Reader
 from kvd.protocol import (
     CacheDescription,
     Error,
@@ -37,6 +37,7 @@ from kvd.protocol import (
 )
 from kvd.shm import ShmCache, physical_shape
 from tests.daemon_helpers import by_req, collect, subscribed
+from tests.nixl_helpers import finish, kill, spawn_prefill
 
 pytest.importorskip("nixl")
 
@@ -129,17 +130,6 @@ def local_cache(
         t.fill_(-7.0)
     client.attach(cache_id, cache.specs)
     return cache
-
-
-def finish(reader: Reader, count: int, timeout: float = 20.0) -> list[ReadResult]:
-    """Poll ``reader`` until ``count`` reads have ended."""
-    results: list[ReadResult] = []
-    deadline = time.monotonic() + timeout
-    while len(results) < count:
-        assert time.monotonic() < deadline, f"{len(results)} of {count} reads ended"
-        results += reader.poll()
-        time.sleep(0.0005)
-    return results
 
 
 def expected_tokens(remote: torch.Tensor, kv: int, remote_ids: list[int]) -> torch.Tensor:
@@ -364,38 +354,19 @@ def test_bad_requests_end_as_failed_events(
         cache.close()
 
 
-def spawn_prefill(short_tmp: Path) -> tuple[subprocess.Popen[str], str]:
-    """The demo's prefill process (its own NIXL agent), once it has bound its handshake socket."""
-    spec = {
-        "engine_id": "prefill-doomed",
-        "block_size": REMOTE_SIZE,
-        "layout": "HND",
-        "seed": 1,
-        "num_blocks": REMOTE_BLOCKS,
-        "layers": LAYERS,
-        "heads": HEADS,
-        "head_dim": HEAD_DIM,
-        "endpoint": f"ipc://{short_tmp}/doomed.sock",
-    }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvd.demo.prefill", json.dumps(spec)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
+def doomed_prefill(short_tmp: Path) -> PrefillSpec:
+    """The prefill peer that the tests below kill or stop."""
+    return PrefillSpec(
+        engine_id="prefill-doomed",
+        block_size=REMOTE_SIZE,
+        layout="HND",
+        seed=1,
+        num_blocks=REMOTE_BLOCKS,
+        layers=LAYERS,
+        heads=HEADS,
+        head_dim=HEAD_DIM,
+        endpoint=f"ipc://{short_tmp}/doomed.sock",
     )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert line, "the prefill process exited before it was ready"
-    return proc, json.loads(line)["ready"]["endpoint"]
-
-
-def kill(proc: subprocess.Popen[str]) -> None:
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGKILL)  # SIGKILL ends a SIGSTOPped process too
-    proc.wait()
-    for pipe in (proc.stdin, proc.stdout):
-        if pipe is not None:
-            pipe.close()
 
 
 @pytest.mark.parametrize("how", ["killed", "stopped"])
@@ -405,7 +376,7 @@ def test_a_peer_that_dies_or_hangs_ends_as_failed(
     """A dead peer (SIGKILL) or one that no longer progresses (SIGSTOP): Failed, never a hang."""
     cache_id = f"nixl-peer-{how}"
     cache = local_cache(client, cache_id, block_size=2 * REMOTE_SIZE)
-    proc, endpoint = spawn_prefill(short_tmp)
+    proc, endpoint = spawn_prefill(doomed_prefill(short_tmp))
     reader = Reader("decode-doomed", client, read_timeout_s=2.0)
     try:
         reader.add_cache(cache_id, cache.tensors, cache.specs)
@@ -461,7 +432,7 @@ def test_a_reader_outlives_a_peer_killed_before_its_read(
 def test_close_fails_reads_in_flight(client: Client, short_tmp: Path) -> None:
     cache_id = "nixl-close"
     cache = local_cache(client, cache_id, block_size=REMOTE_SIZE)
-    proc, endpoint = spawn_prefill(short_tmp)
+    proc, endpoint = spawn_prefill(doomed_prefill(short_tmp))
     reader = Reader("decode-closing", client)
     try:
         reader.add_cache(cache_id, cache.tensors, cache.specs)
