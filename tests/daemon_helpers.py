@@ -171,13 +171,17 @@ class EventTap:
         self.close()
 
 
-def kvd(*args: str) -> subprocess.CompletedProcess[str]:
-    """``kvd ARGS`` as a user types it, its output captured. The subprocess timeout is far
-    above any tool's own: a tool that waited for ever fails the test instead of hanging it."""
+def kvd(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """``kvd ARGS`` as a user types it (in ``env``, else this process's environment), its
+    output captured. The subprocess timeout is far above any tool's own: a tool that waited for
+    ever fails the test instead of hanging it."""
     return subprocess.run(
         [sys.executable, "-m", "kvd", *args],
         capture_output=True,
         text=True,
-        timeout=120,
+        env=env,
+        timeout=timeout,
         check=False,
     )

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from kvd.bench.kernels import CASES
 from kvd.cli import build_parser
+from tests.daemon_helpers import kvd
 
 
 def test_bench_kernels_reports_every_case(capsys: pytest.CaptureFixture[str]) -> None:
@@ -50,14 +49,8 @@ def test_kvd_sets_idle_openmp_workers_to_sleep_unless_told_otherwise(
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     if given is not None:
         env["OMP_WAIT_POLICY"] = given
-    done = subprocess.run(
-        [sys.executable, "-m", "kvd", "bench", "kernels", "--json", "--repeat=1", *TINY],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        check=True,
-    )
+    done = kvd("bench", "kernels", "--json", "--repeat=1", *TINY, env=env)
+    assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["omp_wait_policy"] == in_force
 
 

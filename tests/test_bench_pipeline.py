@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
+from tests.daemon_helpers import kvd
 from tests.tty import run_on_tty
 
 TINY = ["bench", "pipeline", "--rounds", "1", "--messages", "300", "--latency-samples", "30"]
@@ -24,13 +24,7 @@ def test_bar_on_a_terminal_then_the_table() -> None:
 
 @pytest.mark.slow
 def test_json_is_quiet() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "kvd", *TINY, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    done = kvd(*TINY, "--json", timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stderr == ""
     report = json.loads(done.stdout)
@@ -39,16 +33,10 @@ def test_json_is_quiet() -> None:
 
 @pytest.mark.slow
 def test_windows_compare_fixed_windows_with_auto_at_each_load() -> None:
-    done = subprocess.run(
-        [
-            *(sys.executable, "-m", "kvd", "bench", "pipeline", "--windows", "0,100,auto"),
-            *("--transform", "merge", "--concurrency", "1,4", "--rounds", "2"),
-            *("--messages", "100", "--json"),
-        ],
-        capture_output=True,
-        text=True,
+    done = kvd(
+        *("bench", "pipeline", "--windows", "0,100,auto", "--transform", "merge"),
+        *("--concurrency", "1,4", "--rounds", "2", "--messages", "100", "--json"),
         timeout=300,
-        check=False,
     )
     assert done.returncode == 0, done.stderr
     assert done.stderr == ""
@@ -65,11 +53,5 @@ def test_windows_compare_fixed_windows_with_auto_at_each_load() -> None:
 
 
 def test_windows_arguments_that_cannot_work_are_usage_errors() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "kvd", "bench", "pipeline", "--windows", "0,0"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = kvd("bench", "pipeline", "--windows", "0,0", timeout=60)
     assert done.returncode == 2 and "--windows: give two or more distinct windows" in done.stderr

@@ -3,25 +3,18 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from kvd.demo.content import fill, request_tokens, token_rows
+from tests.daemon_helpers import kvd
 
 pytest.importorskip("nixl")
 
 
 def test_demo_verifies_every_case_with_real_nixl() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "kvd", "demo", "--requests", "3", "--json", "--quiet"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    done = kvd("demo", "--requests", "3", "--json", "--quiet", timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
     assert report["verified"] is True and report["transport"] == "UCX"
@@ -53,13 +46,7 @@ def test_demo_verifies_every_case_with_real_nixl() -> None:
 
 
 def test_demo_rejects_a_request_size_that_cannot_fit() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "kvd", "demo", "--max-blocks", "100", "--num-blocks", "64"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = kvd("demo", "--max-blocks", "100", "--num-blocks", "64", timeout=60)
     assert done.returncode == 2
     assert "--max-blocks must be in [1, --num-blocks / --concurrency = 8]" in done.stderr
 
