@@ -103,6 +103,7 @@ typedef struct {
     int64_t n_groups;
     int64_t pages_per_group;
     int64_t page_bytes;
+    int64_t group_bytes;       /* pages_per_group * page_bytes: one worker's scratch */
     const int64_t *runs;       /* (dst_in_group, src_page or -1, src_offset, nbytes) */
     int64_t n_runs;
     const int64_t *write_back; /* (offset_in_group, nbytes), none straddling a page */
@@ -183,9 +184,8 @@ static void run_groups(job_t *job, char *scratch) {
 static void *run_worker(void *arg) {
     work_t *w = (work_t *)arg;
     job_t *job = w->job;
-    size_t group_bytes = (size_t)(job->pages_per_group * job->page_bytes);
     /* Cache-line aligned: the write-back reads it line by line. */
-    char *scratch = aligned_alloc(64, (group_bytes + 63) / 64 * 64);
+    char *scratch = aligned_alloc(64, (size_t)(job->group_bytes + 63) / 64 * 64);
     if (scratch == NULL) {
         w->out_of_memory = 1;
         return NULL;
@@ -229,7 +229,7 @@ static PyObject *apply_runs(PyObject *self, PyObject *args) {
     int64_t group_bytes = pages_per_group * page_bytes;
     job_t job = {
         .pages = (const int64_t *)(uintptr_t)pages, .n_groups = n_groups,
-        .pages_per_group = pages_per_group, .page_bytes = page_bytes,
+        .pages_per_group = pages_per_group, .page_bytes = page_bytes, .group_bytes = group_bytes,
         .runs = (const int64_t *)(uintptr_t)runs, .n_runs = n_runs,
         .write_back = (const int64_t *)(uintptr_t)write_back, .n_write_back = n_write_back,
         .prefetch = prefetch, .chunk = group_bytes >= CHUNK_BYTES ? 1 : CHUNK_BYTES / group_bytes,
