@@ -76,9 +76,36 @@ def test_cap_closes_a_batch_and_never_splits_a_request() -> None:
     b.add(req("c", [6]), 0)  # "b" + "c" reach the cap exactly
     b.add(req("d", list(range(10, 20))), 0)  # larger than the cap: a batch of its own
     assert b.next_deadline_ns() == 0
-    due = b.take_due(1)
-    assert [[r.req_id for r in batch.requests] for batch in due] == [["a"], ["b", "c"], ["d"]]
+    # One job each: two batches of 2 and 4 blocks would exceed the cap together.
+    jobs = [b.take_due(1) for _ in range(3)]
+    assert [[r.req_id for batch in job for r in batch.requests] for job in jobs] == [
+        ["a"],
+        ["b", "c"],
+        ["d"],
+    ]
     assert b.take_due(2) == []
+
+
+def test_a_job_takes_the_oldest_due_batches_up_to_the_cap() -> None:
+    b = Batcher(window_ns=10 * US, max_blocks=4)
+    for n, cache in enumerate(["c1", "c2", "c3", "c4"]):
+        b.add(req(f"r{n}", [2 * n, 2 * n + 1], cache=cache), n * US)
+    b.add(req("young", [9], cache="c5"), 20 * US)  # its window has not passed
+    first = b.take_due(20 * US)
+    assert [r.req_id for batch in first for r in batch.requests] == ["r0", "r1"]
+    assert b.next_deadline_ns() == 12 * US  # the rest are overdue: the next job may go now
+    second = b.take_due(20 * US)
+    assert [r.req_id for batch in second for r in batch.requests] == ["r2", "r3"]
+    assert b.take_due(20 * US) == []
+    # A drain does not wait for windows, and keeps the bound.
+    b.add(req("late", [10, 11, 12, 13], cache="c6"), 21 * US)
+    assert [r.req_id for batch in b.take_due(21 * US, draining=True) for r in batch.requests] == [
+        "young"
+    ]
+    assert [r.req_id for batch in b.take_due(21 * US, draining=True) for r in batch.requests] == [
+        "late"
+    ]
+    assert len(b) == 0
 
 
 def test_take_all_ignores_the_window() -> None:

@@ -4,7 +4,8 @@ Pure logic, driven by the caller's clock. Requests are grouped by (cache, remote
 remote block size), the key under which one kernel pass can rewrite all their blocks. A batch
 becomes due when its oldest request has waited the window or it holds ``max_blocks`` blocks;
 the daemon takes due batches whenever the executor can accept work, so while the executor is
-busy batches keep filling up (up to ``max_blocks``) instead of queueing many small passes.
+busy batches keep filling up (up to ``max_blocks``) instead of queueing many small passes. One
+job takes due batches of up to ``max_blocks`` blocks in all, oldest first.
 
 The window is fixed (``window_ns``) or picked per batch by an ``AutoWindow`` when the batch
 opens. Both settings may change while batches wait: a new fixed window moves their deadlines.
@@ -132,18 +133,35 @@ class Batcher:
             self._full.append(self._open.pop(key))
         return batch
 
-    def take_due(self, now_ns: int) -> list[Batch]:
-        """Remove and return every batch that is full or whose window has passed, oldest first."""
-        due = self._full
-        self._full = []
-        for key, batch in list(self._open.items()):
-            if now_ns >= batch.deadline_ns:
-                due.append(self._open.pop(key))
+    def take_due(self, now_ns: int, *, draining: bool = False) -> list[Batch]:
+        """Remove and return one job's worth of due batches, oldest first: as many as fit in
+        ``max_blocks`` blocks in all, and at least one. A batch is due when it is full or its
+        window has passed; while ``draining``, every waiting batch is.
+
+        The others stay due for the next job. A job is answered when all of it is done, so a
+        bound keeps a backlog from holding the oldest requests' answers behind everyone
+        else's work, and leaves untouched what a forced exit or a device failure cuts short.
+        """
+        due = self._full + [b for b in self._open.values() if draining or now_ns >= b.deadline_ns]
+        if not due:
+            return []
         due.sort(key=lambda b: b.opened_ns)
-        return due
+        job = due[:1]
+        blocks = job[0].num_blocks
+        for batch in due[1:]:
+            blocks += batch.num_blocks
+            if blocks > self.max_blocks:
+                break
+            job.append(batch)
+        taken = {id(b) for b in job}
+        self._full = [b for b in self._full if id(b) not in taken]
+        for batch in job:
+            if self._open.get(batch.key) is batch:
+                del self._open[batch.key]
+        return job
 
     def take_all(self) -> list[Batch]:
-        """Every waiting batch regardless of its window (used when draining)."""
+        """Every waiting batch regardless of its window and the cap (to fail them all)."""
         batches = self._full + list(self._open.values())
         self._full = []
         self._open.clear()

@@ -312,13 +312,15 @@ class Pipeline:
         """Launch what is due if the executor can take it; arm the window timer for the rest."""
         if not self.batcher.waiting:
             return  # the common case after a burst of notifications that needed no work
-        if self.executor.has_capacity():
-            now = time.monotonic_ns()
-            due = self.batcher.take_due(now) if self.accepting else self.batcher.take_all()
-            if due:
-                self._launch(due)
+        if not self.executor.has_capacity():
+            return  # the job in progress kicks again when it is done
+        now = time.monotonic_ns()
+        while due := self.batcher.take_due(now, draining=not self.accepting):
+            self._launch(due)
+            if not self.executor.has_capacity():
+                return
         deadline = self.batcher.next_deadline_ns()
-        if deadline is not None and self.executor.has_capacity():
+        if deadline is not None:
             self._timer.arm(deadline)
 
     def _launch(self, batches: list[Batch]) -> None:
