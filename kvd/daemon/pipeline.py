@@ -495,7 +495,8 @@ class Pipeline:
     # -- lifecycle ------------------------------------------------------------------------------
 
     def stop_accepting(self) -> None:
-        """Answer new notifications with Failed(shutting_down) and launch every batch now."""
+        """Answer new notifications with Failed(shutting_down); waiting batches go without their
+        window, a job at a time as the executor takes them."""
         self.accepting = False
         self.kick()
 
