@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvd.daemon.batcher import Batcher
+from kvd.daemon.batcher import Batch, Batcher
 from kvd.daemon.ledger import Request
 from kvd.daemon.window import AutoWindow
 
@@ -31,6 +31,11 @@ def req(
         remote_engine_id="",
         received_ns=at,
     )
+
+
+def req_ids(batches: list[Batch]) -> list[str]:
+    """The requests of ``batches`` (one job, say), in order."""
+    return [r.req_id for batch in batches for r in batch.requests]
 
 
 def test_groups_by_cache_remote_format_and_block_size() -> None:
@@ -78,7 +83,7 @@ def test_cap_closes_a_batch_and_never_splits_a_request() -> None:
     assert b.next_deadline_ns() == 0
     # One job each: two batches of 2 and 4 blocks would exceed the cap together.
     jobs = [b.take_due(1) for _ in range(3)]
-    assert [[r.req_id for batch in job for r in batch.requests] for job in jobs] == [
+    assert [req_ids(job) for job in jobs] == [
         ["a"],
         ["b", "c"],
         ["d"],
@@ -92,19 +97,15 @@ def test_a_job_takes_the_oldest_due_batches_up_to_the_cap() -> None:
         b.add(req(f"r{n}", [2 * n, 2 * n + 1], cache=cache), n * US)
     b.add(req("young", [9], cache="c5"), 20 * US)  # its window has not passed
     first = b.take_due(20 * US)
-    assert [r.req_id for batch in first for r in batch.requests] == ["r0", "r1"]
+    assert req_ids(first) == ["r0", "r1"]
     assert b.next_deadline_ns() == 12 * US  # the rest are overdue: the next job may go now
     second = b.take_due(20 * US)
-    assert [r.req_id for batch in second for r in batch.requests] == ["r2", "r3"]
+    assert req_ids(second) == ["r2", "r3"]
     assert b.take_due(20 * US) == []
     # A drain does not wait for windows, and keeps the bound.
     b.add(req("late", [10, 11, 12, 13], cache="c6"), 21 * US)
-    assert [r.req_id for batch in b.take_due(21 * US, draining=True) for r in batch.requests] == [
-        "young"
-    ]
-    assert [r.req_id for batch in b.take_due(21 * US, draining=True) for r in batch.requests] == [
-        "late"
-    ]
+    assert req_ids(b.take_due(21 * US, draining=True)) == ["young"]
+    assert req_ids(b.take_due(21 * US, draining=True)) == ["late"]
     assert len(b) == 0
 
 
@@ -155,8 +156,8 @@ def test_take_cache_removes_only_that_caches_batches() -> None:
     b.add(req("c", [4], layout="NHD"), 0)
     b.add(req("d", [5], cache="other"), 0)
     taken = b.take_cache("c")
-    assert sorted(r.req_id for batch in taken for r in batch.requests) == ["a", "b", "c"]
-    assert [r.req_id for batch in b.take_all() for r in batch.requests] == ["d"]
+    assert sorted(req_ids(taken)) == ["a", "b", "c"]
+    assert req_ids(b.take_all()) == ["d"]
 
 
 def test_an_auto_window_applies_when_the_batch_opens_with_the_executor_idle() -> None:
@@ -203,7 +204,7 @@ def test_an_auto_window_goes_once_a_closed_loop_has_sent_all_it_will() -> None:
     now += 5 * US
     b.add(req("again4", [4]), now, held=4)
     assert b.next_deadline_ns() == now
-    assert [r.req_id for batch in b.take_due(now) for r in batch.requests] == [
+    assert req_ids(b.take_due(now)) == [
         "again1",
         "again2",
         "again3",
