@@ -18,6 +18,7 @@ import contextlib
 import itertools
 import json
 import os
+import random
 import signal
 import socket
 import statistics
@@ -41,11 +42,36 @@ _ALL_CORES = frozenset(os.sched_getaffinity(0))
 _ids = itertools.count()
 
 
+def ephemeral_ports() -> range:
+    """The ports the kernel gives the local end of outgoing connections."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    return range(low, high + 1)
+
+
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
+    """A TCP port nothing is bound to now, outside the ephemeral range, never handed out twice.
+
+    vLLM binds it seconds later. A port from the ephemeral range (what binding port 0 gives)
+    may by then be the local end of some process's connection: CI saw a prefill instance fail
+    with EADDRINUSE on one.
+    """
+    ephemeral = ephemeral_ports()
+    candidates = [p for p in range(10000, 65536) if p not in ephemeral and p not in _handed_out]
+    for port in random.sample(candidates, len(candidates)):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
         return port
+    raise RuntimeError(f"no free TCP port outside the ephemeral range {ephemeral}")
 
 
 @contextlib.contextmanager
