@@ -363,6 +363,9 @@ class KvdWorker(NixlPullConnectorWorker):
 class KvdConnector(NixlPullConnector):
     """vLLM's NIXL pull connector, with kvd post-processing on decode workers."""
 
+    worker_class: type[KvdWorker] = KvdWorker
+    """The decode worker; a subclass may instrument it (``kvd bench vllm`` times its steps)."""
+
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         # Not NixlPullConnector.__init__: it would build a stock worker (a NIXL agent) first.
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
@@ -374,7 +377,7 @@ class KvdConnector(NixlPullConnector):
             self.connector_worker = None
         elif role == KVConnectorRole.WORKER:
             self.connector_scheduler = None
-            worker = KvdWorker if decode else NixlPullConnectorWorker
+            worker = self.worker_class if decode else NixlPullConnectorWorker
             self.connector_worker = worker(vllm_config, self.engine_id, kv_cache_config)
 
     def get_mem_pool_context(self) -> Any:
