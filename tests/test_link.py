@@ -52,7 +52,8 @@ def next_notice(link: KvdLink, timeout: float = 30.0) -> Notice:
         if time.monotonic() > deadline:
             raise AssertionError(f"no notice within {timeout}s (link {link.state})")
         time.sleep(0.005)
-    return link.inbox.popleft()
+    notice, _ = link.inbox.popleft()
+    return notice
 
 
 def wait_state(link: KvdLink, state: State, timeout: float = 30.0) -> None:
@@ -119,9 +120,10 @@ def test_a_kvd_gone_past_the_down_timeout_fails_what_is_held(cache: ShmCache) ->
 def test_stats_stay_bounded_however_long_the_run(cache: ShmCache) -> None:
     stats = HandoffStats()
     for _ in range(30_000):
-        stats.step(1e-5, 1, 0, [1e-3])
+        stats.step(1e-5, 1, 0, [1e-3], [1])
     stats.absorb()
     report = stats.report()
     assert report["requests"] == 30_000
     assert report["handoff"]["count"] == 30_000
     assert len(report["handoff_s"]) <= 10_000 and len(report["ready_latency_s"]) <= 10_000
+    assert report["steps_to_release"] == {"1": 30_000}

@@ -109,6 +109,7 @@ class KvdWorker(NixlPullConnectorWorker):
         copy in the step that reports them finished, before kvd is told)."""
         self._holding = Holding()
         self._unsent: list[Held] = []
+        self._waits: list[int] = []
         self.stats = HandoffStats()
         group = extra.get("kvd_shm_group")
         self.allocation = (
@@ -257,6 +258,7 @@ class KvdWorker(NixlPullConnectorWorker):
         results = super().get_transfer_results()
         link = self._link
         assert link is not None  # started in register_kv_caches
+        link.steps += 1
         started = time.perf_counter()
         handed_off = 0
         if results.finished_recving:
@@ -277,9 +279,10 @@ class KvdWorker(NixlPullConnectorWorker):
                     handed_off,
                     len(released.failed),
                     released.latencies_s,
+                    self._waits,
                 )
         elif handed_off:
-            self.stats.step(time.perf_counter() - started, handed_off, 0, [])
+            self.stats.step(time.perf_counter() - started, handed_off, 0, [], [])
         return results
 
     def _hand_off(
@@ -312,9 +315,10 @@ class KvdWorker(NixlPullConnectorWorker):
         """kvd's answers and the link's notices so far; sends what could not go before."""
         released = Released()
         events: list[Event] = []
+        self._waits = []
         inbox = link.inbox
         while inbox:
-            notice = inbox.popleft()
+            notice, queued_at = inbox.popleft()
             if isinstance(notice, Resend):
                 self._unsent = self._holding.resend()
             elif isinstance(notice, GiveUp):
@@ -324,6 +328,9 @@ class KvdWorker(NixlPullConnectorWorker):
                 released.merge(self._holding.give_up())
             else:
                 events.append(notice)
+                # Steps from the one before kvd's answer reached the link to its release: 1 when
+                # it is released in the first step after it.
+                self._waits.append(link.steps - queued_at)
         released.merge(self._holding.answer(events))
         if self._unsent and link.state is State.UP:
             unsent, self._unsent = self._unsent, []

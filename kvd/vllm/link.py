@@ -92,7 +92,10 @@ class KvdLink:
         self.client = client
         self.attachment = attachment
         self.down_timeout_s = down_timeout_s
-        self.inbox: deque[Notice] = deque()
+        self.inbox: deque[tuple[Notice, int]] = deque()
+        """Notices, each with the engine's ``steps`` when it was queued."""
+        self.steps = 0
+        """Engine steps so far: the engine's thread counts them, the link stamps notices."""
         self.state = State.UP
         self.stats = stats
         self._stats_path = Path(stats_path) if stats_path else None
@@ -165,7 +168,7 @@ class KvdLink:
                 self._recover()
             else:
                 log.warning("kvd events lost (%s): re-sending what is held", lost)
-                self.inbox.append(Resend(str(lost)))
+                self._post(Resend(str(lost)))
             return True
         except (ReplayError, KvdError, KvdTimeout, KvdUnavailable) as exc:
             log.warning("kvd: %s", exc)
@@ -176,8 +179,11 @@ class KvdLink:
         # The refusals topic carries other engines' requests too: only this cache's reach the
         # engine, so the deque holds at most one event per request this worker sent.
         if delivery.event.cache_id == cache_id:
-            self.inbox.append(delivery.event)
+            self._post(delivery.event)
         return True
+
+    def _post(self, notice: Notice) -> None:
+        self.inbox.append((notice, self.steps))
 
     def _check_alive(self) -> None:
         assert self.client.runtime_dir is not None
@@ -201,7 +207,7 @@ class KvdLink:
             else:
                 log.warning("kvd is back at %s: attached again", self.client.runtime_dir)
                 # Resend before UP: a ReadDone the engine sends once UP is never lost behind it.
-                self.inbox.append(Resend("kvd attached again"))
+                self._post(Resend("kvd attached again"))
                 self.state = State.UP
                 return
         if self.state is State.DOWN and time.monotonic() - self._down_since > self.down_timeout_s:
@@ -210,7 +216,7 @@ class KvdLink:
                 self.down_timeout_s,
             )
             self.state = State.GONE
-            self.inbox.append(GiveUp("kvd gone"))
+            self._post(GiveUp("kvd gone"))
 
     def _attach(self) -> None:
         a = self.attachment

@@ -41,30 +41,42 @@ class _Figure:
 
 class HandoffStats:
     def __init__(self) -> None:
-        self._steps: deque[tuple[float, int, int, tuple[float, ...]]] = deque()
+        self._steps: deque[tuple[float, int, int, list[float], list[int]]] = deque()
         self.requests = 0
         self.failed = 0
         self.handoff = _Figure()
         self.ready_latency = _Figure()
+        self.steps_to_release: dict[int, int] = {}
+        """Engine steps from kvd's answer to the request's release -> requests (1: the next)."""
         self.version = 0
         self.written_at = 0.0
 
-    def step(self, seconds: float, handed_off: int, failed: int, latencies_s: list[float]) -> None:
+    def step(
+        self,
+        seconds: float,
+        handed_off: int,
+        failed: int,
+        latencies_s: list[float],
+        waits: list[int],
+    ) -> None:
         """The engine's thread: one step's cost (``seconds``, when it handed something off),
-        requests handed off and failed, and ReadDone -> event latencies of those released."""
-        self._steps.append((seconds, handed_off, failed, tuple(latencies_s)))
+        requests handed off and failed, ReadDone -> event latencies of those released, and the
+        steps each of kvd's answers waited. The lists become the summary's: pass new ones."""
+        self._steps.append((seconds, handed_off, failed, latencies_s, waits))
 
     def absorb(self) -> int:
         """The link's thread: fold in the steps recorded so far; returns a version that moves
         when something was folded in."""
         while self._steps:
-            seconds, handed_off, failed, latencies = self._steps.popleft()
+            seconds, handed_off, failed, latencies, waits = self._steps.popleft()
             if handed_off:
                 self.handoff.add(seconds)
             self.requests += handed_off
             self.failed += failed
             for latency in latencies:
                 self.ready_latency.add(latency)
+            for wait in waits:
+                self.steps_to_release[wait] = self.steps_to_release.get(wait, 0) + 1
             self.version += 1
         return self.version
 
@@ -74,6 +86,7 @@ class HandoffStats:
             "failed": self.failed,
             "handoff": self.handoff.report(),
             "ready_latency": self.ready_latency.report(),
+            "steps_to_release": {str(k): v for k, v in sorted(self.steps_to_release.items())},
             # The figures' latest samples, as earlier versions of this file had them.
             "handoff_s": list(self.handoff.recent),
             "ready_latency_s": list(self.ready_latency.recent),
