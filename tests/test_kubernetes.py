@@ -17,6 +17,7 @@ import yaml
 
 from kvd.daemon.config import load_config, unknown_env
 from kvd.daemon.metrics_http import HEALTH_PATH, READY_PATH, parse_metrics_addr
+from kvd.daemon.sockets import EndpointError, prepare_runtime_dir
 from tests.kustomize import KustomizeError, render
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
@@ -185,3 +186,19 @@ def test_the_gpu_overlay_shows_both_containers_one_gpu() -> None:
         assert not any("gpu" in name for name in limits), "a GPU per container: two GPUs"
     assert load_config(environ=env(kvd)).device == "cuda:0", "the claim's one GPU"
     assert "claims" not in containers(pod_spec("cpu"))[0]["resources"]
+
+
+def test_kvd_accepts_the_runtime_directory_under_a_world_writable_volume(tmp_path: Path) -> None:
+    """The layout above, on a real filesystem: a volume's root as the kubelet leaves an
+    emptyDir (mode 0777, no sticky bit) is refused as the directory above kvd's, and accepted
+    two levels up, where kvd created the directory in between itself."""
+    kvd, _ = containers(pod_spec("cpu"))
+    runtime_dir = PurePosixPath(env(kvd)["KVD_RUNTIME_DIR"])
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    volume.chmod(0o777)
+    with pytest.raises(EndpointError, match="is writable by every user"):
+        prepare_runtime_dir(volume / runtime_dir.name)
+    below = runtime_dir.relative_to(mounts(kvd)["kvd-run"])
+    prepare_runtime_dir(volume / below)
+    assert (volume / below).is_dir()
