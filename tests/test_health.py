@@ -10,7 +10,10 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import pytest
+
 from kvd.client import ShmCache
+from kvd.daemon.config import ConfigError, load_config
 from kvd.daemon.health import Verdict, liveness, readiness
 from kvd.daemon.metrics_http import PROBE_CONTENT_TYPE, MetricsServer
 from kvd.daemon_process import DaemonProcess
@@ -29,6 +32,13 @@ def test_liveness_fails_only_for_what_a_restart_mends() -> None:
     assert "executor_watchdog_s = 60" in stalled.reason
     failed = liveness("illegal address", 0.0, 60.0)
     assert failed == Verdict(False, "device failed: illegal address")
+
+
+def test_the_watchdog_bound_is_a_setting() -> None:
+    assert load_config(environ={}).executor_watchdog_s == 60.0
+    assert load_config(environ={"KVD_EXECUTOR_WATCHDOG_S": "0"}).executor_watchdog_s == 0
+    with pytest.raises(ConfigError, match=r"--executor-watchdog-s='-1': Expected `float` >= 0"):
+        load_config(environ={}, overrides={"executor_watchdog_s": "-1"})
 
 
 def test_readiness_needs_startup_accepting_and_life() -> None:

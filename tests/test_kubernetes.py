@@ -18,7 +18,7 @@ import yaml
 from kvd.daemon.config import load_config, unknown_env
 from kvd.daemon.metrics_http import HEALTH_PATH, READY_PATH, parse_metrics_addr
 from kvd.daemon.sockets import EndpointError, prepare_runtime_dir
-from tests.kustomize import KustomizeError, render
+from tests.kustomize import KustomizeError, merge, render
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
 OVERLAYS = ("cpu", "gpu")
@@ -97,6 +97,26 @@ def test_the_renderer_agrees_with_kubectl_kustomize(overlay: str) -> None:
         return {(o["kind"], o["metadata"]["name"]): o for o in objects}
 
     assert by_name(rendered(overlay)) == by_name(list(yaml.safe_load_all(out)))
+
+
+def test_strategic_merge_merges_keyed_lists_and_replaces_the_others() -> None:
+    """What the kubectl comparison above shows, kept where CI runs it: keyed items merge, the
+    patch's first, and a list without a merge key is replaced."""
+    original = {
+        "env": [{"name": "A", "value": "1"}, {"name": "B", "value": "2"}],
+        "args": ["x", "y"],
+    }
+    patch = {"env": [{"name": "B", "value": "3"}, {"name": "C", "value": "4"}], "args": ["z"]}
+    assert merge(original, patch) == {
+        "env": [
+            {"name": "B", "value": "3"},
+            {"name": "C", "value": "4"},
+            {"name": "A", "value": "1"},
+        ],
+        "args": ["z"],
+    }
+    with pytest.raises(KustomizeError, match="directives"):
+        merge(original, {"env": [{"name": "A", "$patch": "delete"}]})
 
 
 def test_the_renderer_refuses_what_it_does_not_implement(tmp_path: Path) -> None:
