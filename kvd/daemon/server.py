@@ -23,10 +23,10 @@ import torch
 import zmq
 
 from kvd import __version__
+from kvd.daemon import health
 from kvd.daemon.config import Config
 from kvd.daemon.control import Control
 from kvd.daemon.executor import CudaExecutor, Executor, Job
-from kvd.daemon.health import Verdict, liveness, readiness
 from kvd.daemon.journal import Journal, JournalError
 from kvd.daemon.metrics import Metrics
 from kvd.daemon.metrics_http import HEALTH_PATH, READY_PATH, MetricsServer, parse_metrics_addr
@@ -317,14 +317,16 @@ class Server:
         self._metrics_server = server
         return url
 
-    def liveness(self) -> Verdict:
+    def liveness(self) -> health.Verdict:
+        """What ``/healthz`` answers (``kvd.daemon.health``)."""
         pipeline = self._pipeline
         stalled_s = pipeline.executor.stalled_s(time.monotonic_ns()) if pipeline else 0.0
-        return liveness(self.device_failure, stalled_s, self.config.executor_watchdog_s)
+        return health.liveness(self.device_failure, stalled_s, self.config.executor_watchdog_s)
 
-    def readiness(self) -> Verdict:
+    def readiness(self) -> health.Verdict:
+        """What ``/readyz`` answers."""
         accepting = self._pipeline is not None and self._pipeline.accepting
-        return readiness(self.started, accepting, self.liveness())
+        return health.readiness(self.started, accepting, self.liveness())
 
     def _announce_ready(self, loop: asyncio.AbstractEventLoop) -> None:
         notifier = self.notifier
