@@ -222,3 +222,18 @@ def test_kvd_accepts_the_runtime_directory_under_a_world_writable_volume(tmp_pat
     below = runtime_dir.relative_to(mounts(kvd)["kvd-run"])
     prepare_runtime_dir(volume / below)
     assert (volume / below).is_dir()
+
+
+def test_the_image_recipe_copies_what_exists_and_says_it_was_not_built() -> None:
+    dockerfile = DEPLOY / "Dockerfile"
+    text = dockerfile.read_text()
+    assert "NOT BUILT HERE" in text
+    root = DEPLOY.parent.parent
+    copied = [line.split()[1:-1] for line in text.splitlines() if line.startswith("COPY ")]
+    assert copied
+    for sources in copied:
+        for source in sources:
+            assert (root / source).exists(), source
+    # Both containers run the image as the pod's user.
+    spec = pod_spec("gpu")
+    assert f"USER {spec['securityContext']['runAsUser']}:" in text
