@@ -189,6 +189,32 @@ def _replay_request(gap: _Gap) -> bytes:
     return _ENCODER.encode(Replay(topic=gap.topic, from_seq=from_seq))
 
 
+def _replay_socket(ctx: Any, endpoints: Endpoints) -> Any:
+    """A DEALER of its own per replay: a late answer to an abandoned one is never mistaken for
+    the next one's (``ctx`` is a ``zmq.Context`` or a ``zmq.asyncio.Context``)."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.connect(endpoints.replay)
+    return sock
+
+
+class _ReplayAnswer:
+    """The frames of one replay answer: events, then the ReplayEnd (``end``, its payload)."""
+
+    def __init__(self) -> None:
+        self.frames: list[tuple[int, bytes]] = []
+        self.end: bytes | None = None
+
+    def take(self, message: list[bytes]) -> None:
+        _, seq_b, payload = message
+        seq = decode_seq(seq_b)
+        if seq == END_SEQ:
+            self.end = payload
+        else:
+            self.frames.append((seq, payload))
+
+
 class _Replays:
     _check: Callable[[], None] | None
     _endpoints: Endpoints
@@ -283,24 +309,17 @@ class Subscription(_Replays, Iterator[Delivery]):
             self._replay(gaps.popleft())
 
     def _replay(self, gap: _Gap) -> None:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.connect(self._endpoints.replay)
-        frames = []
+        sock = _replay_socket(self._ctx, self._endpoints)
+        answer = _ReplayAnswer()
         try:
             sock.send(_replay_request(gap))
-            while True:
+            while answer.end is None:
                 if not sock.poll(self._timeout_ms):
                     raise self._no_answer()
-                _, seq_b, payload = sock.recv_multipart()
-                seq = decode_seq(seq_b)
-                if seq == END_SEQ:
-                    break
-                frames.append((seq, payload))
+                answer.take(sock.recv_multipart())
         finally:
             sock.close()
-        self._order.replayed(gap, frames, payload)
+        self._order.replayed(gap, answer.frames, answer.end)
 
     def close(self) -> None:
         self._sub.close()
@@ -354,24 +373,17 @@ class AsyncSubscription(_Replays, AsyncIterator[Delivery]):
                 order.pending.extend(order.resync())
 
     async def _replay(self, gap: _Gap) -> None:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.connect(self._endpoints.replay)
-        frames = []
+        sock = _replay_socket(self._ctx, self._endpoints)
+        answer = _ReplayAnswer()
         try:
             await sock.send(_replay_request(gap))
-            while True:
+            while answer.end is None:
                 if not await sock.poll(self._timeout_ms):
                     raise self._no_answer()
-                _, seq_b, payload = await sock.recv_multipart()
-                seq = decode_seq(seq_b)
-                if seq == END_SEQ:
-                    break
-                frames.append((seq, payload))
+                answer.take(await sock.recv_multipart())
         finally:
             sock.close()
-        self._order.replayed(gap, frames, payload)
+        self._order.replayed(gap, answer.frames, answer.end)
 
     def close(self) -> None:
         self._sub.close()
