@@ -66,9 +66,11 @@ class EventLog:
         self.held = 0
         """Events held, all topics together."""
         self._topics: dict[str, _Topic] = {}
-        self._order: deque[tuple[_Topic, int]] = deque()
+        self._order: deque[tuple[str, int]] = deque()
         """(topic, seq) of events in the order they were appended, oldest first; some may
-        already be gone (dropped by their topic's capacity) until the next compaction."""
+        already be gone (dropped by their topic's capacity) until the next compaction. By
+        name: a tuple of a str and an int is not tracked by the garbage collector, and a
+        full collection would otherwise walk every one of them."""
         self._lock = threading.Lock()
 
     def append(self, topic: str, payload: bytes) -> tuple[bytes, int]:
@@ -82,7 +84,7 @@ class EventLog:
             entry.next_seq = seq + 1
             payloads = entry.payloads
             payloads.append(payload)
-            self._order.append((entry, seq))
+            self._order.append((topic, seq))
             self.nbytes += len(payload)
             if len(payloads) > self.capacity:
                 self.nbytes -= len(payloads.popleft())
@@ -91,16 +93,21 @@ class EventLog:
             while self.nbytes > self.max_bytes and self._order:
                 self._evict_oldest()
             if len(self._order) > self.held + self.capacity:
-                self._order = deque(e for e in self._order if _held(*e))
+                self._order = deque(e for e in self._order if self._held(*e))
             return entry.frame, seq
 
     def _evict_oldest(self) -> None:
-        entry, seq = self._order.popleft()
+        topic, seq = self._order.popleft()
         # Per-topic order is global order, so the oldest event overall is its topic's oldest,
         # unless the per-topic capacity already dropped it.
-        if _held(entry, seq):
-            self.nbytes -= len(entry.payloads.popleft())
+        if self._held(topic, seq):
+            self.nbytes -= len(self._topics[topic].payloads.popleft())
             self.held -= 1
+
+    def _held(self, topic: str, seq: int) -> bool:
+        """Whether event ``seq`` of ``topic`` is still held (a topic holds its newest seqs)."""
+        entry = self._topics[topic]
+        return seq >= entry.next_seq - len(entry.payloads)
 
     def since(self, topic: str, from_seq: int) -> tuple[list[tuple[int, bytes]], int, int]:
         """Buffered events of ``topic`` with seq >= from_seq, and the (oldest, newest) held."""
@@ -122,11 +129,6 @@ class EventLog:
         with self._lock:
             entry = self._topics.get(topic)
             return entry.next_seq - 1 if entry else 0
-
-
-def _held(entry: _Topic, seq: int) -> bool:
-    """Whether event ``seq`` of ``entry`` is still held (a topic holds its newest seqs)."""
-    return seq >= entry.next_seq - len(entry.payloads)
 
 
 class Publisher:
