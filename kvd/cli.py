@@ -483,6 +483,23 @@ def _add_bench(commands: Any) -> None:
         default=None,
         help="kvd's batch window for the run, microseconds or 'auto' (default: kvd's default)",
     )
+    pipeline.add_argument(
+        "--soak",
+        type=int,
+        default=0,
+        metavar="N",
+        help=(
+            "instead: send N notifications (e.g. 1000000) through one kvd and print its RSS "
+            "after the warm-up and at the end; fails when it grew by more than 16 MiB"
+        ),
+    )
+    pipeline.add_argument(
+        "--soak-warmup",
+        type=int,
+        default=200_000,
+        metavar="N",
+        help="notifications of the soak sent before its first RSS reading (default: %(default)s)",
+    )
     windows = pipeline.add_argument_group(
         "windows",
         "With --windows, compare batch windows instead: one kvd, the window changed live "

@@ -31,7 +31,7 @@ from kvd.daemon.metrics import Metrics
 from kvd.daemon.publisher import Publisher
 from kvd.daemon.registry import Registry
 from kvd.daemon.timers import WindowTimer
-from kvd.daemon.validate import Accept, InFlight, Rejection, Repeat, identify, validate_read_done
+from kvd.daemon.validate import InFlight, Rejection, Repeat, Route, identify, validate_read_done
 from kvd.daemon.window import AutoWindow
 from kvd.protocol import (
     UNATTACHED_TOPIC,
@@ -160,13 +160,16 @@ class Pipeline:
     def _read_done(self, msg: ReadDone) -> None:
         received_ns = time.monotonic_ns()
         verdict = validate_read_done(msg, self.registry, self.ledger)
-        if not self.accepting and isinstance(verdict, Accept | Rejection):
+        if not isinstance(verdict, Route):
+            if not self.accepting and isinstance(verdict, Rejection):
+                self._reject(msg, Reason.SHUTTING_DOWN, "kvd is draining")
+            else:
+                self._known_or_refused(msg, verdict)
+        elif not self.accepting:
             self._reject(msg, Reason.SHUTTING_DOWN, "kvd is draining")
-            return
-        if isinstance(verdict, Accept):
-            if not verdict.needs_work(msg):
-                self._answer_at_once(msg, received_ns)
-                return
+        elif not verdict.needs_work(msg.covered_sub_blocks, len(msg.physical_block_ids)):
+            self._answer_at_once(msg, received_ns)
+        else:
             request = Request(
                 req_id=msg.req_id,
                 cache_id=msg.cache_id,
@@ -183,8 +186,6 @@ class Pipeline:
             self.batcher.add(
                 request, received_ns, idle=self.executor.has_capacity(), held=len(self.ledger)
             )
-        else:
-            self._known_or_refused(msg, verdict)
 
     def _known_or_refused(
         self, msg: ReadDone | ReadFailed, verdict: Rejection | Repeat | InFlight
@@ -202,28 +203,27 @@ class Pipeline:
     def _answer_at_once(self, msg: ReadDone, received_ns: int) -> None:
         """Nothing to rewrite (NHD -> NHD, MLA, no blocks): Ready without the executor.
 
-        Nothing is touched, so nothing is recorded: a repeat is checked and answered afresh.
+        Nothing is touched, so no outcome is recorded: a repeat is checked and answered afresh.
         """
+        cache_id = msg.cache_id
         elapsed_ns = time.monotonic_ns() - received_ns
-        self.publisher.publish(
-            msg.cache_id,
-            Ready(
-                req_id=msg.req_id,
-                cache_id=msg.cache_id,
-                physical_block_ids=msg.physical_block_ids,
-                remote_engine_id=msg.remote_engine_id,
+        self._publish(
+            cache_id,
+            self._event(
+                msg.req_id,
+                cache_id,
+                msg.generation,
+                msg.physical_block_ids,
+                msg.remote_engine_id,
                 elapsed_us=elapsed_ns // 1000,
-                generation=msg.generation,
-                epoch=self.publisher.epoch,
             ),
         )
         self._count_answer(True, elapsed_ns)
-        self.ledger.untouched.put(Outcome(msg.cache_id, msg.req_id, msg.generation, "", "", [], ""))
+        self.ledger.untouched.put((cache_id, msg.req_id), (msg.generation, "", ""))
 
     def _count_answer(self, ready: bool, elapsed_ns: int) -> None:
         metrics = self.metrics
         (metrics.ready if ready else metrics.failed).value += 1
-        metrics.events.value += 1
         metrics.read_done_to_ready.observe(elapsed_ns / 1e9)
 
     def _read_failed(self, msg: ReadFailed) -> None:
@@ -266,24 +266,18 @@ class Pipeline:
             return  # nobody to answer: counted and logged only
         attached = cache_id in self.registry
         ids = getattr(source, "physical_block_ids", [])
-        self.publisher.publish(
-            cache_id if attached else UNATTACHED_TOPIC,
-            Failed(
-                req_id=req_id,
-                cache_id=cache_id,
-                code=code,
-                message=message,
-                invalid_block_ids=ids[:_IDS_IN_REJECTIONS],
-                remote_engine_id=source.remote_engine_id,
-                generation=source.generation,
-                epoch=self.publisher.epoch,
-            ),
+        event = self._event(
+            req_id,
+            cache_id,
+            source.generation,
+            ids[:_IDS_IN_REJECTIONS],
+            source.remote_engine_id,
+            code=code,
+            message=message,
         )
-        self.metrics.events.value += 1
+        self._publish(cache_id if attached else UNATTACHED_TOPIC, event)
         if attached:
-            self.ledger.untouched.put(
-                Outcome(cache_id, req_id, source.generation, code, message, [], "")
-            )
+            self.ledger.untouched.put((cache_id, req_id), (source.generation, code, message))
 
     # -- settings -------------------------------------------------------------------------------
 
@@ -367,10 +361,7 @@ class Pipeline:
                 continue
             item.announced = True
             for request in item.batch.requests:
-                elapsed_ns = time.monotonic_ns() - request.received_ns
-                event = self._event(request, "", "", elapsed_ns, item.cuda_event)
-                self.publisher.publish(request.cache_id, event)
-                self._count_answer(True, elapsed_ns)
+                self._announce(request, item.cuda_event)
 
     def _job_done(self, job: Job) -> None:
         # Jobs finish in the order they were submitted (one worker thread, one waiter).
@@ -424,11 +415,7 @@ class Pipeline:
         """Publish the one event of a request (unless ``job_launched`` did) and retire it from
         the ledger; ``outcome`` is remembered when the request's blocks were touched."""
         if announce:
-            elapsed_ns = time.monotonic_ns() - request.received_ns
-            code, message = request.error or ("", "")
-            event = self._event(request, code, message, elapsed_ns)
-            self.publisher.publish(request.cache_id, event)
-            self._count_answer(not code, elapsed_ns)
+            self._announce(request)
         self.ledger.publish(request, outcome)
         if self._drained is not None and not self.ledger and not self._drained.done():
             self._drained.set_result(None)
@@ -440,57 +427,79 @@ class Pipeline:
         request.error = (code, message)
         self.metrics.rejections.inc(code)
         self._finish(request, None)
-        self.ledger.untouched.put(self._outcome(request))
+        self.ledger.untouched.put(request.key, (request.generation, code, message))
+
+    def _announce(self, request: Request, cuda_event: bytes = b"") -> None:
+        """Publish the one event of an accepted request and count it as answered."""
+        elapsed_ns = time.monotonic_ns() - request.received_ns
+        code, message = request.error or ("", "")
+        event = self._event(
+            request.req_id,
+            request.cache_id,
+            request.generation,
+            request.physical_block_ids,
+            request.remote_engine_id,
+            code=code,
+            message=message,
+            elapsed_us=elapsed_ns // 1000,
+            cuda_event=cuda_event,
+        )
+        self._publish(request.cache_id, event)
+        self._count_answer(not code, elapsed_ns)
 
     def _event(
-        self, request: Request, code: str, message: str, elapsed_ns: int, cuda_event: bytes = b""
+        self,
+        req_id: str,
+        cache_id: str,
+        generation: int,
+        block_ids: list[int],
+        remote_engine_id: str,
+        *,
+        code: str = "",
+        message: str = "",
+        elapsed_us: int = 0,
+        cuda_event: bytes = b"",
     ) -> Ready | Failed:
+        """The one place an event is made: Ready when ``code`` is empty, else Failed naming
+        ``block_ids`` as invalid; stamped with this run's epoch."""
         if not code:
             return Ready(
-                req_id=request.req_id,
-                cache_id=request.cache_id,
-                physical_block_ids=request.physical_block_ids,
-                remote_engine_id=request.remote_engine_id,
-                elapsed_us=elapsed_ns // 1000,
-                generation=request.generation,
+                req_id=req_id,
+                cache_id=cache_id,
+                physical_block_ids=block_ids,
+                remote_engine_id=remote_engine_id,
+                elapsed_us=elapsed_us,
+                generation=generation,
                 epoch=self.publisher.epoch,
                 cuda_event=cuda_event,
             )
         return Failed(
-            req_id=request.req_id,
-            cache_id=request.cache_id,
+            req_id=req_id,
+            cache_id=cache_id,
             code=code,
             message=message,
-            invalid_block_ids=request.physical_block_ids,
-            remote_engine_id=request.remote_engine_id,
-            generation=request.generation,
+            invalid_block_ids=block_ids,
+            remote_engine_id=remote_engine_id,
+            generation=generation,
             epoch=self.publisher.epoch,
         )
 
+    def _publish(self, topic: str, event: Ready | Failed) -> None:
+        self.publisher.publish(topic, event)
+        self.metrics.events.value += 1
+
     def _publish_outcome(self, outcome: Outcome) -> None:
         """Publish a recorded outcome again (a repeated notification, or after a restart)."""
-        if outcome.code:
-            event: Ready | Failed = Failed(
-                req_id=outcome.req_id,
-                cache_id=outcome.cache_id,
-                code=outcome.code,
-                message=outcome.message,
-                invalid_block_ids=outcome.block_ids,
-                remote_engine_id=outcome.remote_engine_id,
-                generation=outcome.generation,
-                epoch=self.publisher.epoch,
-            )
-        else:
-            event = Ready(
-                req_id=outcome.req_id,
-                cache_id=outcome.cache_id,
-                physical_block_ids=outcome.block_ids,
-                remote_engine_id=outcome.remote_engine_id,
-                generation=outcome.generation,
-                epoch=self.publisher.epoch,
-            )
-        self.publisher.publish(outcome.cache_id, event)
-        self.metrics.events.value += 1
+        event = self._event(
+            outcome.req_id,
+            outcome.cache_id,
+            outcome.generation,
+            outcome.block_ids,
+            outcome.remote_engine_id,
+            code=outcome.code,
+            message=outcome.message,
+        )
+        self._publish(outcome.cache_id, event)
 
     # -- lifecycle ------------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from itertools import islice
 
 import msgspec
 import zmq
@@ -42,15 +43,18 @@ REPLAY_STALL_S = 5.0
 class _Topic:
     frame: bytes
     next_seq: int
-    events: deque[tuple[int, bytes]]
+    payloads: deque[bytes]
+    """The newest events of the topic, oldest first: seqs ``next_seq - len(payloads)`` on."""
 
 
 class EventLog:
     """Per-topic sequence numbers and the recent encoded events of each topic.
 
     Holds at most ``capacity`` events per topic and ``max_bytes`` of payloads in all (the
-    oldest events of all go first). Appends come from the event loop, reads from the replay
-    thread: a lock guards both, held only to copy references.
+    oldest events of all go first). Nothing else grows: the order of events across topics,
+    kept for that eviction, is compacted whenever it names ``capacity`` events more than are
+    held. Appends come from the event loop, reads from the replay thread: a lock guards both,
+    held only to copy references.
     """
 
     def __init__(self, capacity: int, max_bytes: int = 256 << 20) -> None:
@@ -59,8 +63,14 @@ class EventLog:
         self.capacity = capacity
         self.max_bytes = max_bytes
         self.nbytes = 0
+        self.held = 0
+        """Events held, all topics together."""
         self._topics: dict[str, _Topic] = {}
-        self._order: deque[tuple[_Topic, int, int]] = deque()  # (topic, seq, size), oldest first
+        self._order: deque[tuple[str, int]] = deque()
+        """(topic, seq) of events in the order they were appended, oldest first; some may
+        already be gone (dropped by their topic's capacity) until the next compaction. By
+        name: a tuple of a str and an int is not tracked by the garbage collector, and a
+        full collection would otherwise walk every one of them."""
         self._lock = threading.Lock()
 
     def append(self, topic: str, payload: bytes) -> tuple[bytes, int]:
@@ -71,35 +81,48 @@ class EventLog:
                 entry = _Topic(topic.encode(), 1, deque())
                 self._topics[topic] = entry
             seq = entry.next_seq
-            entry.next_seq += 1
-            size = len(payload)
-            entry.events.append((seq, payload))
-            self._order.append((entry, seq, size))
-            self.nbytes += size
-            if len(entry.events) > self.capacity:
-                self.nbytes -= len(entry.events.popleft()[1])
+            entry.next_seq = seq + 1
+            payloads = entry.payloads
+            payloads.append(payload)
+            self._order.append((topic, seq))
+            self.nbytes += len(payload)
+            if len(payloads) > self.capacity:
+                self.nbytes -= len(payloads.popleft())
+            else:
+                self.held += 1
             while self.nbytes > self.max_bytes and self._order:
                 self._evict_oldest()
+            if len(self._order) > self.held + self.capacity:
+                self._order = deque(e for e in self._order if self._held(*e))
             return entry.frame, seq
 
     def _evict_oldest(self) -> None:
-        entry, seq, _ = self._order.popleft()
+        topic, seq = self._order.popleft()
         # Per-topic order is global order, so the oldest event overall is its topic's oldest,
         # unless the per-topic capacity already dropped it.
-        if entry.events and entry.events[0][0] == seq:
-            self.nbytes -= len(entry.events.popleft()[1])
+        if self._held(topic, seq):
+            self.nbytes -= len(self._topics[topic].payloads.popleft())
+            self.held -= 1
+
+    def _held(self, topic: str, seq: int) -> bool:
+        """Whether event ``seq`` of ``topic`` is still held (a topic holds its newest seqs)."""
+        entry = self._topics[topic]
+        return seq >= entry.next_seq - len(entry.payloads)
 
     def since(self, topic: str, from_seq: int) -> tuple[list[tuple[int, bytes]], int, int]:
         """Buffered events of ``topic`` with seq >= from_seq, and the (oldest, newest) held."""
         with self._lock:
             entry = self._topics.get(topic)
-            if entry is None or not entry.events:
+            if entry is None or not entry.payloads:
                 return [], 0, 0
-            oldest, newest = entry.events[0][0], entry.events[-1][0]
+            payloads = entry.payloads
+            newest = entry.next_seq - 1
+            oldest = newest - len(payloads) + 1
             if from_seq > newest:
                 return [], oldest, newest
             skip = max(0, from_seq - oldest)
-            events = [entry.events[i] for i in range(skip, len(entry.events))]
+            seqs = range(oldest + skip, newest + 1)
+            events = list(zip(seqs, islice(payloads, skip, None), strict=True))
         return events, oldest, newest
 
     def last_seq(self, topic: str) -> int:

@@ -7,7 +7,9 @@ bytes is already reachable through another attached tensor.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -18,6 +20,16 @@ from kvd.kernels import CachePostProcess
 from kvd.layout.formats import has_heads, legacy_remote_format
 from kvd.layout.geometry import TensorGeometry
 from kvd.protocol import PageFormat, Reason, TensorSpec
+
+if TYPE_CHECKING:
+    from kvd.daemon.validate import Rejection, Route, RouteKey
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+ROUTES_PER_CACHE = 64
+"""Routes (and their kernel passes) a cache remembers: a peer that names ever new remote
+formats or block sizes makes kvd decide again, not hold more."""
 
 
 @dataclass(slots=True)
@@ -72,6 +84,8 @@ class AttachedCache:
     """Why the cache's memory can no longer be touched (set once; requests then fail)."""
     detaching: str | None = None
     """Why the cache is being detached: new notifications are refused, those in flight end."""
+    routes: dict[RouteKey, Route | Rejection] = field(default_factory=dict)
+    """Each remote side seen, decided once (``validate.route``); at most ``ROUTES_PER_CACHE``."""
     _rewrites: dict[tuple[RemoteFormat, int], list[Rewrite]] = field(default_factory=dict)
 
     def rewrites(self, remote: RemoteFormat, remote_block_size: int) -> list[Rewrite]:
@@ -89,7 +103,7 @@ class AttachedCache:
             ]
             for rewrite in known:  # the format pair is checked now, not on the executor
                 rewrite.needs_work(0, 0)
-            self._rewrites[key] = known
+            remember(self._rewrites, key, known)
         return known
 
     def memory_problem(self) -> str | None:
@@ -114,6 +128,14 @@ class AttachedCache:
         return sum(p.block_bytes for p in self.postprocesses.values())
 
 
+def remember(memo: dict[K, V], key: K, value: V) -> V:
+    """Store ``value`` in a per-cache memo, forgetting the oldest entry past the bound."""
+    if len(memo) >= ROUTES_PER_CACHE:
+        del memo[next(iter(memo))]
+    memo[key] = value
+    return value
+
+
 def _remote_for(local: PageFormat, remote: RemoteFormat) -> PageFormat:
     """The remote page format of ``local``'s tensors: given, or the legacy order applied."""
     if isinstance(remote, PageFormat):
@@ -127,9 +149,8 @@ class Registry:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._caches: dict[str, AttachedCache] = {}
-
-    def get(self, cache_id: str) -> AttachedCache | None:
-        return self._caches.get(cache_id)
+        self.get: Callable[[str], AttachedCache | None] = self._caches.get
+        """The attached cache of an id, or None (the dict's own method: a hot path)."""
 
     def __contains__(self, cache_id: str) -> bool:
         return cache_id in self._caches

@@ -8,6 +8,7 @@ ends the call with ``MemoryFault`` instead of the process.
 
 from __future__ import annotations
 
+import functools
 import signal
 from types import ModuleType
 
@@ -74,7 +75,7 @@ def apply_runs(
     if pages.dtype != np.int64 or pages.ndim != 2 or pages.shape[1] != plan.pages_per_group:
         raise ValueError(f"pages must be int64 rows of {plan.pages_per_group} page addresses")
     pages = np.ascontiguousarray(pages)
-    moves, write_back = plan.moves, plan.write_back
+    moves, num_moves, write_back, num_write_back, distance = _plan_arguments(plan)
     if not threads:
         big = len(pages) * plan.group_bytes >= THREADED_BYTES
         threads = torch.get_num_threads() if big else 1
@@ -83,15 +84,29 @@ def apply_runs(
         len(pages),
         plan.pages_per_group,
         plan.page_bytes,
-        moves.ctypes.data,
-        len(moves),
-        write_back.ctypes.data,
-        len(write_back),
-        prefetch_distance(plan) if prefetch is None else prefetch,
+        moves,
+        num_moves,
+        write_back,
+        num_write_back,
+        distance if prefetch is None else prefetch,
         threads,
     )
     if fault is not None:
         raise MemoryFault(*fault)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_arguments(plan: Plan) -> tuple[int, int, int, int, int]:
+    """The kernel's arguments from ``plan``, made once per plan (numpy's ``ctypes`` and
+    ``mean`` cost microseconds a call): moves and write-back (address, rows), prefetch."""
+    moves, write_back = plan.moves, plan.write_back
+    return (
+        moves.ctypes.data,
+        len(moves),
+        write_back.ctypes.data,
+        len(write_back),
+        prefetch_distance(plan),
+    )
 
 
 def apply_runs_torch(region: torch.Tensor, groups: npt.NDArray[np.int64], plan: Plan) -> None:

@@ -247,18 +247,12 @@ class CachePostProcess:
         for n, (request_ids, covered) in enumerate(requests):
             ids = list(request_ids)
             listed += ids
-            if len(ids) % pages:
-                raise ValueError(
-                    f"requests[{n}]: {len(ids)} block ids do not fill whole groups of {pages} "
-                    f"(remote block size {remote_block_size}, local {self.block_size})"
-                )
-            holds = len(ids) // pages * remote_pages
-            if covered < 0 or covered > holds:
-                raise ValueError(
-                    f"requests[{n}]: covered_sub_blocks {covered} is not in [0, {holds}] (the "
-                    f"remote pages {len(ids)} blocks hold)"
-                )
-            whole, part = divmod(covered or holds, remote_pages)
+            broken = planner.group_problem(len(ids), covered, pages, remote_pages)
+            if broken is not None:
+                field, why = broken
+                what = "" if field == "physical_block_ids" else f"{field} "
+                raise ValueError(f"requests[{n}]: {what}{why}")
+            whole, part = divmod(covered or len(ids) // pages * remote_pages, remote_pages)
             full += ids[: whole * pages]
             if part:
                 partial.setdefault(part, []).append(ids[whole])

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -155,6 +156,25 @@ def group_shape(block_size: int, remote_block_size: int) -> tuple[int, int]:
         f"remote block size {remote_block_size} and local block size {block_size}: "
         "neither divides the other"
     )
+
+
+def group_problem(
+    num_ids: int, covered: int, pages: int, remote_pages: int
+) -> tuple[Literal["physical_block_ids", "covered_sub_blocks"], str] | None:
+    """The group rule of one request, given its ``group_shape``: its ``num_ids`` local blocks
+    are whole groups of ``pages``, and ``covered`` (0: all) counts at most the remote pages
+    they hold. (field at fault, why) when it is broken, else None."""
+    if num_ids % pages:
+        return "physical_block_ids", (
+            f"{num_ids} block ids do not fill whole groups of {pages} (a remote block lands "
+            f"across {pages} local blocks)"
+        )
+    holds = num_ids // pages * remote_pages
+    if covered < 0 or covered > holds:
+        return "covered_sub_blocks", (
+            f"{covered} is not in [0, {holds}] (the remote blocks {num_ids} local blocks hold)"
+        )
+    return None
 
 
 def plan(
