@@ -198,6 +198,11 @@ class Metrics:
             "Caches detached because their engine was gone (connection closed or no heartbeat "
             "for engine_lease_s).",
         )
+        self.journal_errors = self.counter(
+            "kvd_journal_errors_total",
+            "Journal writes that failed (a full runtime directory): the requests of a launch "
+            "are refused with journal_unavailable, an outcome is written later.",
+        )
         self.handler_errors = self.labelled_counter(
             "kvd_handler_errors_total",
             "Messages whose handling raised (a bug or hostile input); the reader went on.",

@@ -240,6 +240,11 @@ class Server:
         )
         self.metrics.gauge("kvd_attached_caches", "Caches attached.", lambda: len(registry))
         self.metrics.gauge(
+            "kvd_journal_failing",
+            "1 while the launch journal cannot be written (new work is refused), else 0.",
+            lambda: journal.problem is not None,
+        )
+        self.metrics.gauge(
             "kvd_batch_window_seconds",
             "The batching window in force (with batch_window_us = auto, kvd's latest choice).",
             lambda: pipeline.batch_window_us / 1e6,
