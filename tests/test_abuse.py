@@ -5,14 +5,22 @@ shared memory. Every accepted notification still gets exactly one event, and kvd
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
 import resource
 import signal
+import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 from kvd.client import Client, ShmCache
+from kvd.daemon.sockets import FD_RESERVE
 from kvd.daemon_process import DaemonProcess
 from kvd.protocol import Failed, Ready
-from tests.daemon_helpers import collect
+from tests.daemon_helpers import collect, wait_for
+
+UNIT = Path(__file__).parent.parent / "systemd" / "kvd@.service"
 
 # -- a journal that cannot be written ------------------------------------------------------------
 
@@ -80,3 +88,70 @@ def test_a_journal_that_cannot_be_written_refuses_work_and_recovers(short_tmp: P
     finally:
         daemon.close()
         cache.close()
+
+
+# -- a thousand idle peers -----------------------------------------------------------------------
+
+
+def unit_nofile() -> tuple[int, int]:
+    """The unit's ``LimitNOFILE=SOFT[:HARD]``, the hard limit capped at what this process has."""
+    match = re.search(r"^LimitNOFILE=(\d+)(?::(\d+))?$", UNIT.read_text(), re.MULTILINE)
+    assert match, "the unit sets no LimitNOFILE"
+    soft = int(match[1])
+    _, ours = resource.getrlimit(resource.RLIMIT_NOFILE)
+    hard = min(int(match[2] or soft), ours)
+    assert hard > soft + 1000, f"this machine's hard limit ({ours}) is too low for the test"
+    return soft, hard
+
+
+@contextlib.contextmanager
+def nofile(soft: int, hard: int) -> Iterator[None]:
+    """This process's RLIMIT_NOFILE while a daemon is spawned (it inherits it)."""
+    before = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, before[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, before)
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_a_thousand_idle_peers_cannot_exhaust_kvds_descriptors(short_tmp: Path) -> None:
+    soft, hard = unit_nofile()
+    bound = soft  # connections kvd keeps, all sockets together
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # for this test's own peers
+    with nofile(soft, hard):
+        daemon = DaemonProcess(
+            runtime_dir=short_tmp, env={"KVD_MAX_CONNECTIONS": str(bound)}
+        ).start()
+    peers: list[socket.socket] = []
+    try:
+        assert daemon.proc is not None
+        pid = daemon.proc.pid
+        control = daemon.endpoints().control.removeprefix("ipc://")
+        with daemon.client() as client:
+            client.ping()  # the client's connection is one of the bound
+            # Raw connections that never speak ZMTP: idle or half-open peers.
+            for _ in range(bound + 200):
+                peers.append(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+                peers[-1].connect(control)
+            client.ping()
+            assert daemon.proc.poll() is None, daemon.log_tail()
+            refused = lambda: client.status().counters["connections_refused"]  # noqa: E731
+            wait_for(lambda: refused() >= 200, timeout=30)
+            assert open_fds(pid) < hard
+            # Idle peers over the bound are closed: kvd's descriptors stay bounded.
+            wait_for(lambda: open_fds(pid) <= bound + FD_RESERVE, timeout=30)
+            for peer in peers:
+                peer.close()
+            peers.clear()
+            wait_for(lambda: client.status().counters["connections_refused"] == refused())
+            client.ping()
+        assert daemon.stop() == 0, daemon.log_tail()
+    finally:
+        for peer in peers:
+            peer.close()
+        daemon.close()

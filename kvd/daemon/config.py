@@ -120,6 +120,17 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             ),
         ),
     ] = 64 << 20
+    max_connections: Annotated[
+        int,
+        msgspec.Meta(
+            ge=1,
+            description=(
+                "Peer connections kept, all sockets together; one past it is closed at once "
+                "(counted in kvd_connections_refused_total). Lowered at start to fit the "
+                "descriptor limit, less 256 for kvd's own use."
+            ),
+        ),
+    ] = 4096
     max_message_bytes: Annotated[
         int,
         msgspec.Meta(

@@ -203,6 +203,10 @@ class Metrics:
             "Journal writes that failed (a full runtime directory): the requests of a launch "
             "are refused with journal_unavailable, an outcome is written later.",
         )
+        self.connections_refused = self.counter(
+            "kvd_connections_refused_total",
+            "Peer connections closed on arrival because max_connections were open.",
+        )
         self.handler_errors = self.labelled_counter(
             "kvd_handler_errors_total",
             "Messages whose handling raised (a bug or hostile input); the reader went on.",

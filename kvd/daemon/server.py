@@ -33,12 +33,16 @@ from kvd.daemon.publisher import Publisher, ReplayServer
 from kvd.daemon.registry import Registry
 from kvd.daemon.sdnotify import Notifier
 from kvd.daemon.sockets import (
+    FD_RESERVE,
+    HANDSHAKE_S,
+    ConnectionGuard,
     EndpointError,
     RuntimeLock,
     SocketReader,
     bind,
     normalize_endpoint,
     prepare_runtime_dir,
+    raise_fd_limit,
     remove_runtime_files,
     write_endpoints,
 )
@@ -112,6 +116,7 @@ class Server:
         self._control: Control | None = None
         self._ingest_reader: SocketReader | None = None
         self._replay: ReplayServer | None = None
+        self._connections: ConnectionGuard | None = None
         self._metrics_server: MetricsServer | None = None
         self._timers: list[Every] = []
         self._last_status = ""
@@ -183,6 +188,10 @@ class Server:
             "replay": bind(replay, wanted["replay"], "replay"),
         }
 
+        self._connections = self._guard_connections(
+            loop, {"control": control, "ingest": ingest, "events": events, "replay": replay}
+        )
+
         registry = Registry(device)
         self._registry = registry
         journal = Journal(runtime_dir, config.journal_max_bytes)
@@ -239,6 +248,10 @@ class Server:
             lambda: len(pipeline.ledger),
         )
         self.metrics.gauge("kvd_attached_caches", "Caches attached.", lambda: len(registry))
+        connections = self._connections
+        self.metrics.gauge(
+            "kvd_peer_connections", "Peer connections open, all sockets.", lambda: len(connections)
+        )
         self.metrics.gauge(
             "kvd_journal_failing",
             "1 while the launch journal cannot be written (new work is refused), else 0.",
@@ -295,6 +308,23 @@ class Server:
         self._announce_ready(loop)
         if self.on_ready is not None:
             self.on_ready(self)
+
+    def _guard_connections(
+        self, loop: asyncio.AbstractEventLoop, sockets: dict[str, zmq.Socket[bytes]]
+    ) -> ConnectionGuard:
+        """Take every descriptor allowed, and keep peers from taking the last of them."""
+        limit = raise_fd_limit()
+        bound = self.config.max_connections
+        if bound > limit - FD_RESERVE:
+            bound = max(limit - FD_RESERVE, 1)
+            log.warning(
+                "max_connections lowered from %d to %d: the descriptor limit is %d "
+                "(raise LimitNOFILE)",
+                self.config.max_connections,
+                bound,
+                limit,
+            )
+        return ConnectionGuard(loop, sockets, bound, self.metrics.connections_refused)
 
     async def _start_metrics(self) -> str:
         """Listen for scrapes if ``metrics_addr`` is set; returns the URL bound or ''."""
@@ -449,6 +479,8 @@ class Server:
         for reader in self._readers:
             reader.close()
         self._readers = []
+        if self._connections is not None:
+            self._connections.close()
         if self._replay is not None:
             self._replay.stop()
             self._replay = None
@@ -476,6 +508,7 @@ class Server:
         assert self._ctx is not None
         sock = self._ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
         self._sockets.append(sock)
         return sock
 
