@@ -14,10 +14,13 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
-from kvd.client import Client, ShmCache
+import msgspec
+import zmq
+
+from kvd.client import Client, ShmCache, read_done_message
 from kvd.daemon.sockets import FD_RESERVE
 from kvd.daemon_process import DaemonProcess
-from kvd.protocol import Failed, Ready
+from kvd.protocol import UNATTACHED_TOPIC, Failed, Ready, Replay
 from tests.daemon_helpers import collect, wait_for
 
 UNIT = Path(__file__).parent.parent / "systemd" / "kvd@.service"
@@ -155,3 +158,43 @@ def test_a_thousand_idle_peers_cannot_exhaust_kvds_descriptors(short_tmp: Path) 
         for peer in peers:
             peer.close()
         daemon.close()
+
+
+# -- replay peers that do not read ---------------------------------------------------------------
+
+
+def test_replay_peers_that_do_not_read_delay_no_one(short_tmp: Path) -> None:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    stalled: list[zmq.Socket[bytes]] = []
+    try:
+        with DaemonProcess(runtime_dir=short_tmp) as daemon, daemon.client() as client:
+            # Refusals of a cache nobody attached, each naming 1,024 blocks (about 4 KB): far
+            # more than a peer's queue and socket buffers take.
+            n = 3000
+            message = read_done_message("r", "nobody", range(1024), remote_layout="HND")
+            for _ in range(n):
+                client.send_raw(message)
+            wait_for(lambda: client.status().counters["events_published"] >= n, timeout=60)
+            request = msgspec.msgpack.encode(Replay(topic=UNATTACHED_TOPIC, from_seq=1))
+            for _ in range(3):  # on main, each held the one replay thread for 5 s
+                sock = ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.RCVHWM, 1)
+                sock.setsockopt(zmq.RCVBUF, 4096)
+                sock.connect(daemon.endpoints().replay)
+                sock.send(request)
+                stalled.append(sock)
+            # A new subscription replays to learn the epoch and where its topics stand: on main
+            # its first poll raised ReplayError after 10 s; now the replays are answered in turn.
+            with client.subscribe(["honest"], from_seq=1) as sub:
+                assert sub.poll(0.1) is None
+            # Peers that leave are forgotten; the rest is counted when given up on.
+            for sock in stalled:
+                sock.close()
+            stalled.clear()
+            wait_for(lambda: client.status().counters["replays_abandoned"] == 3, timeout=30)
+            assert client.status().counters["replays"] >= 1
+    finally:
+        for sock in stalled:
+            sock.close()
+        ctx.term()

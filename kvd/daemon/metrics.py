@@ -193,6 +193,14 @@ class Metrics:
             "kvd_replays_total",
             "Replay requests answered (counted by the replay thread, its only writer).",
         )
+        self.replays_abandoned = self.counter(
+            "kvd_replays_abandoned_total",
+            "Replay answers given up on: the peer left, or read nothing for 5 s.",
+        )
+        self.replays_dropped = self.counter(
+            "kvd_replays_dropped_total",
+            "Replay requests dropped unanswered: 4 of the peer's, or 1,024 in all, in progress.",
+        )
         self.leases_expired = self.counter(
             "kvd_leases_expired_total",
             "Caches detached because their engine was gone (connection closed or no heartbeat "

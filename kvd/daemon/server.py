@@ -285,7 +285,14 @@ class Server:
         )
         self._control.after_reply = control_reader.poke
         self._readers = [self._ingest_reader, control_reader]
-        self._replay = ReplayServer(replay, publisher.log, epoch, self.metrics.replays)
+        self._replay = ReplayServer(
+            replay,
+            publisher.log,
+            epoch,
+            self.metrics.replays,
+            abandoned=self.metrics.replays_abandoned,
+            dropped=self.metrics.replays_dropped,
+        )
         self._replay.start()
         for sig in _HANDLED_SIGNALS:
             loop.add_signal_handler(sig, self.handle_exit, sig)
