@@ -10,8 +10,11 @@ import math
 import os
 import re
 import resource
+import select
 import signal
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -247,4 +250,78 @@ def test_the_alias_check_of_a_large_attach_is_n_log_n(monkeypatch: pytest.Monkey
     finally:
         for attached in registry.caches():
             attached.close()
+        cache.close()
+
+
+# -- a stopped subscriber ------------------------------------------------------------------------
+
+SUBSCRIBER = """
+import sys, zmq
+sock = zmq.Context().socket(zmq.SUB)
+sock.setsockopt(zmq.SUBSCRIBE, b"")
+sock.connect(sys.argv[1])
+sock.recv_multipart()
+print("subscribed", flush=True)
+while True:
+    sock.recv_multipart()
+"""
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_a_stopped_subscriber_costs_kvd_at_most_its_queue(short_tmp: Path) -> None:
+    queue_mib = 1
+    env = {
+        "KVD_PEER_QUEUE_BYTES": str(queue_mib << 20),
+        "KVD_REPLAY_BUFFER_BYTES": str(1 << 20),  # the replay buffer holds little of them
+    }
+    cache = ShmCache.create(
+        num_layers=1, num_blocks=8192, block_size=1, num_heads=1, head_dim=8, layout="NHD"
+    )
+    subscriber = None
+    try:
+        with DaemonProcess(runtime_dir=short_tmp, env=env) as daemon, daemon.client() as client:
+            assert daemon.proc is not None
+            client.attach("flood", cache.specs)
+            subscriber = subprocess.Popen(
+                [sys.executable, "-c", SUBSCRIBER, daemon.endpoints().events],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            assert subscriber.stdout is not None
+            probes = 0
+            while not select.select([subscriber.stdout], [], [], 0.1)[0]:
+                client.read_done(f"probe{probes}", "flood", [0], remote_layout="NHD")
+                probes += 1
+            assert subscriber.stdout.readline() == "subscribed\n"
+            subscriber.send_signal(signal.SIGSTOP)
+            published = client.status().counters["events_published"]
+            before = rss_mib(daemon.proc.pid)
+            # 10,000 events of about 24 KB (8,192 block ids, no work: Ready at once).
+            # Sent in steps that kvd has answered before the next: only the events queue grows.
+            n = 10_000
+            message = read_done_message("big", "flood", range(8192), remote_layout="NHD")
+            for step in range(100, n + 1, 100):
+                for _ in range(100):
+                    client.send_raw(message)
+                wait_for(
+                    lambda want=published + step: (
+                        client.status().counters["events_published"] >= want
+                    )
+                )
+            grown = rss_mib(daemon.proc.pid) - before
+            # On main +35 MiB (+4 MiB with a subscriber that reads): the socket's queue was a
+            # million messages; now it is what fits in peer_queue_bytes.
+            assert grown < 4 * queue_mib + 16, f"kvd grew by {grown:.0f} MiB"
+    finally:
+        if subscriber is not None:
+            subscriber.kill()
+            subscriber.wait()
+            assert subscriber.stdout is not None
+            subscriber.stdout.close()
         cache.close()

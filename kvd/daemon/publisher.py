@@ -33,9 +33,16 @@ log = logging.getLogger(__name__)
 _MORE = int(zmq.SNDMORE) | int(zmq.NOBLOCK)
 _LAST = int(zmq.NOBLOCK)
 
-REPLAY_QUEUE = 1024
-"""Messages queued per replaying peer before kvd turns to the others (the server passes the
-number that fits ``peer_queue_bytes``)."""
+EVENT_OVERHEAD = 4 << 10
+"""What an event adds to the block ids it echoes from its notification (fields, a message)."""
+
+
+def peer_queue(queue_bytes: int, max_message_bytes: int) -> int:
+    """Messages of the largest event that fit in ``queue_bytes``: a ZMQ queue is counted in
+    messages, so this bounds it by bytes."""
+    return max(1, queue_bytes // (max_message_bytes + EVENT_OVERHEAD))
+
+
 REPLAY_STALL_S = 5.0
 """How long a replay waits for a peer that stopped reading before giving up on it."""
 REPLAY_ANSWERS = 1024
@@ -161,7 +168,7 @@ class ReplayServer:
         *,
         abandoned: Counter,
         dropped: Counter,
-        queue: int = REPLAY_QUEUE,
+        queue: int,
     ) -> None:
         self._sock = sock
         sock.setsockopt(zmq.SNDHWM, queue)

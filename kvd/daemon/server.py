@@ -29,7 +29,7 @@ from kvd.daemon.journal import Journal, JournalError
 from kvd.daemon.metrics import Metrics
 from kvd.daemon.metrics_http import MetricsServer, parse_metrics_addr
 from kvd.daemon.pipeline import Pipeline
-from kvd.daemon.publisher import Publisher, ReplayServer
+from kvd.daemon.publisher import Publisher, ReplayServer, peer_queue
 from kvd.daemon.registry import Registry
 from kvd.daemon.sdnotify import Notifier
 from kvd.daemon.sockets import (
@@ -53,10 +53,6 @@ from kvd.kernels.device import lane_for
 
 log = logging.getLogger(__name__)
 
-INGEST_QUEUE = 65536
-"""Notifications queued per engine connection before its PUSH waits."""
-EVENTS_QUEUE = 1_000_000
-"""Events queued per subscriber before it misses some (and replays them)."""
 EXIT_DEVICE_FAILED = 3
 """Exit status after the device failed (a sticky CUDA error): only a new process gets a working
 CUDA context, so kvd exits and its service manager restarts it (``Restart=on-failure``)."""
@@ -173,10 +169,12 @@ class Server:
         # A hard ceiling well above the limit we report on, so oversized frames still get a
         # Failed answer instead of a silent disconnect.
         ingest.setsockopt(zmq.MAXMSGSIZE, max(16 * config.max_message_bytes, 64 << 20))
-        # Past this many queued notifications the engine's PUSH waits: memory stays bounded.
-        ingest.setsockopt(zmq.RCVHWM, INGEST_QUEUE)
+        # What kvd queues per peer, bounded by bytes: past it an engine's notifications wait in
+        # the engine, a subscriber misses events (and replays them).
+        queue = peer_queue(config.peer_queue_bytes, config.max_message_bytes)
+        ingest.setsockopt(zmq.RCVHWM, queue)
         events = self._socket(zmq.PUB)
-        events.setsockopt(zmq.SNDHWM, EVENTS_QUEUE)
+        events.setsockopt(zmq.SNDHWM, queue)
         replay = self._socket(zmq.ROUTER)
         control = self._socket(zmq.ROUTER)
         # Larger control frames close the sender's connection instead of being read.
@@ -292,6 +290,7 @@ class Server:
             self.metrics.replays,
             abandoned=self.metrics.replays_abandoned,
             dropped=self.metrics.replays_dropped,
+            queue=queue,
         )
         self._replay.start()
         for sig in _HANDLED_SIGNALS:
