@@ -355,6 +355,8 @@ def format_status(reply: Any) -> str:
         + (f"{reply.engine_lease_s:g}s" if reply.engine_lease_s else "off"),
         "",
     ]
+    if reply.journal_problem:
+        lines[-1:-1] = [f"JOURNAL FAILING, new work is refused: {reply.journal_problem}"]
     rows = [
         ("CACHE", "ENGINE", "BLOCKS", "BLOCK SIZE", "TENSORS", "MiB", "IN FLIGHT", "ENGINE STATE")
     ]

@@ -454,6 +454,7 @@ class Control:
             ],
             counters=self._metrics.counters(),
             rejections=self._metrics.rejection_counts(),
+            journal_problem=self._pipeline.journal.problem or "",
         )
 
     def _error(self, code: Reason, message: str) -> Error:

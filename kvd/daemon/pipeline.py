@@ -24,7 +24,7 @@ import msgspec
 
 from kvd.daemon.batcher import Batch, Batcher
 from kvd.daemon.executor import Executor, Job, WorkItem
-from kvd.daemon.journal import Journal, Launch, Outcome, Recovered
+from kvd.daemon.journal import Journal, JournalError, Outcome, Recovered
 from kvd.daemon.ledger import Ledger, Request, State
 from kvd.daemon.logs import RateLimitedLog
 from kvd.daemon.metrics import Metrics
@@ -318,10 +318,9 @@ class Pipeline:
             self._timer.arm(deadline)
 
     def _launch(self, batches: list[Batch]) -> None:
-        items = []
-        launches: list[Launch] = []
         now = time.monotonic_ns()
         cpu_ns = time.thread_time_ns()
+        launching = []
         for batch in batches:
             cache = self.registry.get(batch.cache_id)
             assert cache is not None, "a cache cannot be detached while requests are in flight"
@@ -332,21 +331,36 @@ class Pipeline:
                 for request in batch.requests:
                     self._finish_untouched(request, Reason.MEMORY_UNAVAILABLE, problem)
                 continue
+            launching.append((batch, cache))
+        if not launching:
+            return
+        # On record before any byte moves: a crash from here on is reported by the next start.
+        try:
+            self.journal.launched(r.launch_record() for b, _ in launching for r in b.requests)
+        except JournalError as exc:
+            # No block is rewritten without its Launch record: refuse them, untouched.
+            self._journal_failed(exc)
+            message = f"{exc}; the blocks are untouched, send the notification again later"
+            for batch, _ in launching:
+                for request in batch.requests:
+                    self._finish_untouched(request, Reason.JOURNAL_UNAVAILABLE, message)
+            return
+        items = []
+        for batch, cache in launching:
             for request in batch.requests:
                 self.ledger.advance(request, State.LAUNCHED)
                 self.metrics.queue_wait.observe((now - request.received_ns) / 1e9)
-                launches.append(request.launch_record())
             rewrites = cache.rewrites(batch.remote_format, batch.remote_block_size)
             requests = [(r.physical_block_ids, r.covered_sub_blocks) for r in batch.requests]
             items.append(WorkItem(batch, rewrites, requests, batch.num_blocks * cache.work_bytes))
             self.metrics.batch_blocks.observe(batch.num_blocks)
             self.metrics.batches.value += 1
-        if not items:
-            return
-        # On record before any byte moves: a crash from here on is reported by the next start.
-        self.journal.launched(launches)
         self._launch_cpu_ns.append(time.thread_time_ns() - cpu_ns)
         self.executor.submit(Job(items))
+
+    def _journal_failed(self, exc: JournalError) -> None:
+        self.metrics.journal_errors.value += 1
+        self._rejection_log.warning("journal", "the journal cannot be written: %s", exc)
 
     def job_launched(self, job: Job) -> None:
         """``ready_cuda_event``: announce each request whose launch was enqueued, with the
@@ -387,10 +401,17 @@ class Pipeline:
                 finished.append((request, self._outcome(request), item.announced))
         if self._crash_at == "after_transform":
             os.kill(os.getpid(), signal.SIGKILL)
-        self.journal.finished(outcome for _, outcome, _ in finished)
+        try:
+            self.journal.finished(outcome for _, outcome, _ in finished)
+        except JournalError as exc:
+            # The work is done and stays announced; the journal writes the outcomes later.
+            self._journal_failed(exc)
         for request, outcome, announced in finished:
             self._finish(request, outcome, announce=not announced)
-        self.journal.rotate_if_full(r.launch_record() for r in self.ledger.launched())
+        try:
+            self.journal.rotate_if_full(r.launch_record() for r in self.ledger.launched())
+        except JournalError as exc:
+            self._journal_failed(exc)  # the current segment stays in use
         # What the job cost: the work it took, on the loop and the device. Not wall time: waits
         # for the GIL or a wake-up overlap with other work, and batching does not save them.
         self.auto.job(

@@ -8,7 +8,8 @@ buffer still held.
 
 Replays are served by a thread of their own, so a replay of the whole buffer never stalls the
 event loop; the buffer is bounded by events per topic and by bytes in all, and a replay goes out
-through a bounded queue per peer, so a peer that does not read cannot make kvd hold more.
+through a bounded queue per peer, so a peer that does not read cannot make kvd hold more. The
+thread serves every peer in turn, never waiting on one: a stalled peer delays nobody.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import islice
 
 import msgspec
@@ -33,10 +34,26 @@ log = logging.getLogger(__name__)
 _MORE = int(zmq.SNDMORE) | int(zmq.NOBLOCK)
 _LAST = int(zmq.NOBLOCK)
 
-REPLAY_QUEUE = 1024
-"""Frames queued per replaying peer before kvd waits for it to read."""
+EVENT_OVERHEAD = 4 << 10
+"""What an event adds to the block ids it echoes from its notification (fields, a message)."""
+
+
+def peer_queue(queue_bytes: int, max_message_bytes: int) -> int:
+    """Messages of the largest event that fit in ``queue_bytes``: a ZMQ queue is counted in
+    messages, so this bounds it by bytes."""
+    return max(1, queue_bytes // (max_message_bytes + EVENT_OVERHEAD))
+
+
 REPLAY_STALL_S = 5.0
 """How long a replay waits for a peer that stopped reading before giving up on it."""
+REPLAY_ANSWERS = 1024
+"""Replay answers in progress at once, all peers together."""
+REPLAY_ANSWERS_PER_PEER = 4
+"""Replay answers in progress for one peer: one peer's requests cannot crowd out others'."""
+REPLAY_REQUEST_BYTES = 64 << 10
+"""Largest replay request read; a peer that sends more is disconnected by ZMQ."""
+REPLAY_RETRY_MS = 2
+"""While no peer took a message, how often their queues are looked at again."""
 
 
 @dataclass(slots=True)
@@ -157,24 +174,44 @@ class ReplayServer:
     """Answers ``Replay`` requests on a ROUTER socket from a thread of its own.
 
     The socket belongs to the thread from ``start`` on. Each answer is the buffered events
-    from the requested seq, then a ``ReplayEnd``; a peer that stops reading for
-    ``REPLAY_STALL_S`` or goes away is given up on (its subscription asks again).
+    from the requested seq, then a ``ReplayEnd``. Answers in progress are served in turn, each
+    as far as its peer's queue (``queue`` messages) takes it, so a peer that does not read
+    delays nobody: it is given up on after ``REPLAY_STALL_S`` without progress, and forgotten
+    as soon as it disconnects. At most ``REPLAY_ANSWERS`` answers are in progress, and
+    ``REPLAY_ANSWERS_PER_PEER`` for one peer; a request past that is dropped and counted (its
+    subscription asks again).
     """
 
     def __init__(
-        self, sock: zmq.Socket[bytes], events: EventLog, epoch: int, answered: Counter
+        self,
+        sock: zmq.Socket[bytes],
+        events: EventLog,
+        epoch: int,
+        answered: Counter,
+        *,
+        abandoned: Counter,
+        dropped: Counter,
+        queue: int,
     ) -> None:
         self._sock = sock
-        sock.setsockopt(zmq.SNDHWM, REPLAY_QUEUE)
+        sock.setsockopt(zmq.SNDHWM, queue)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # A request is a topic and a seq: anything larger is not one (ZMQ drops the peer).
+        sock.setsockopt(zmq.MAXMSGSIZE, REPLAY_REQUEST_BYTES)
         self._log = events
         self._epoch = epoch
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(Replay)
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvd-replay", daemon=True)
+        self._answers: deque[_Answer] = deque()
+        self._per_peer: dict[bytes, int] = {}
+        # Counted by this thread, their only writer.
         self.answered = answered
-        self.abandoned = 0
+        self.abandoned = abandoned
+        """Answers given up on: the peer stopped reading, or left."""
+        self.dropped = dropped
+        """Requests dropped because too many answers were in progress."""
 
     def start(self) -> None:
         self._thread.start()
@@ -186,23 +223,39 @@ class ReplayServer:
 
     def _run(self) -> None:
         sock = self._sock
+        wait_ms = 100
         while not self._stopping.is_set():
-            if not sock.poll(100, zmq.POLLIN):
-                continue
+            if sock.poll(wait_ms, zmq.POLLIN):
+                self._take_requests()
+            progressed = self._serve()
+            # Idle: wake for requests. Peers that did not read: look at their queues soon.
+            wait_ms = 0 if progressed else (REPLAY_RETRY_MS if self._answers else 100)
+
+    def _take_requests(self) -> None:
+        for _ in range(REPLAY_ANSWERS):  # a budget, so answers in progress get their turn
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                continue
+                return
             try:
-                self._answer(frames)
+                self._start(frames)
             # One bad request must not end the thread that serves every replay.
             except Exception:
                 log.exception("replay request failed")
 
-    def _answer(self, frames: list[bytes]) -> None:
+    def _start(self, frames: list[bytes]) -> None:
         if len(frames) < 2:
             return
         envelope, body = frames[:-1], frames[-1]
+        peer = envelope[0]
+        if (
+            len(self._answers) >= REPLAY_ANSWERS
+            or self._per_peer.get(peer, 0) >= REPLAY_ANSWERS_PER_PEER
+        ):
+            self.dropped.value += 1
+            log.warning("too many replays in progress: a request is dropped")
+            return
+        self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
         try:
             request = self._decoder.decode(body)
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
@@ -215,34 +268,79 @@ class ReplayServer:
                 code=Reason.INVALID_MESSAGE,
                 message=str(exc)[:1000],
             )
-            self._send([*envelope, b"", encode_seq(END_SEQ), self._encoder.encode(end)])
+            self._answers.append(_Answer(envelope, b"", [], self._encoder.encode(end)))
             return
         events, oldest, newest = self._log.since(request.topic, request.from_seq)
-        topic = request.topic.encode()
-        for seq, payload in events:
-            if not self._send([*envelope, topic, encode_seq(seq), payload]):
-                self.abandoned += 1
-                return
         end = ReplayEnd(
             topic=request.topic, oldest_seq=oldest, newest_seq=newest, epoch=self._epoch
         )
-        if self._send([*envelope, topic, encode_seq(END_SEQ), self._encoder.encode(end)]):
-            self.answered.value += 1
+        answer = _Answer(envelope, request.topic.encode(), events, self._encoder.encode(end))
+        self._answers.append(answer)
 
-    def _send(self, frames: list[bytes]) -> bool:
-        """Send one answer frame set; False when the peer is gone or stopped reading."""
-        deadline = time.monotonic() + REPLAY_STALL_S
-        while True:
+    def _serve(self) -> bool:
+        """Send each answer in progress as far as its peer takes it; True if any frame went."""
+        progressed = False
+        now = time.monotonic()
+        for _ in range(len(self._answers)):
+            answer = self._answers.popleft()
             try:
-                self._sock.send_multipart(frames, zmq.NOBLOCK)
-                return True
-            except zmq.Again:
-                # The peer's queue is full (or it is still connecting): wait for it to read.
-                if time.monotonic() > deadline or self._stopping.is_set():
-                    log.warning("replay peer stopped reading; its replay is abandoned")
-                    return False
-                time.sleep(0.001)
+                sent = self._send(answer)
             except zmq.ZMQError as exc:
-                if exc.errno == zmq.EHOSTUNREACH:
-                    return False  # the peer disconnected
-                raise
+                if exc.errno != zmq.EHOSTUNREACH:
+                    raise
+                self._forget(answer)  # the peer disconnected
+                self.abandoned.value += 1
+                continue
+            if sent:
+                progressed = True
+                answer.stalled_since = now
+            elif now - answer.stalled_since > REPLAY_STALL_S:
+                self._forget(answer)
+                self.abandoned.value += 1
+                log.warning("replay peer stopped reading; its replay is abandoned")
+                continue
+            if not answer.done:
+                self._answers.append(answer)
+                continue
+            self._forget(answer)
+            if answer.topic:
+                self.answered.value += 1
+        return progressed
+
+    def _forget(self, answer: _Answer) -> None:
+        peer = answer.envelope[0]
+        left = self._per_peer[peer] - 1
+        if left:
+            self._per_peer[peer] = left
+        else:
+            del self._per_peer[peer]
+
+    def _send(self, answer: _Answer) -> int:
+        """Send what the peer's queue takes now; returns how many messages went."""
+        sock, envelope, topic = self._sock, answer.envelope, answer.topic
+        sent = 0
+        try:
+            while answer.next < len(answer.events):
+                seq, payload = answer.events[answer.next]
+                sock.send_multipart([*envelope, topic, encode_seq(seq), payload], zmq.NOBLOCK)
+                answer.next += 1
+                sent += 1
+            sock.send_multipart([*envelope, topic, encode_seq(END_SEQ), answer.end], zmq.NOBLOCK)
+            answer.done = True
+            sent += 1
+        except zmq.Again:
+            pass  # the peer's queue is full (or it is still connecting): its turn comes again
+        return sent
+
+
+@dataclass(slots=True)
+class _Answer:
+    """A replay in progress: the events still to send to one peer, then its ``ReplayEnd``."""
+
+    envelope: list[bytes]
+    topic: bytes
+    events: list[tuple[int, bytes]]
+    end: bytes
+    next: int = 0
+    done: bool = False
+    stalled_since: float = field(default_factory=time.monotonic)

@@ -171,26 +171,34 @@ class Registry:
         self._caches[cache.cache_id] = cache
 
     def overlap(self, cache: AttachedCache) -> str | None:
-        """Why some byte of ``cache`` is reachable twice (within it or through another cache)."""
-        seen: list[tuple[str, str, Span]] = [
-            (other.cache_id, t.spec.name, t.span)
+        """Why some byte of ``cache`` is reachable twice (within it or through another cache).
+
+        O(n log n) in the tensors attached, this one's included: spans sorted by backing and
+        start, each checked against the one before it that reaches furthest. Attached caches
+        never overlap each other, so any overlap found involves ``cache``.
+        """
+        # (span, tensor index in this Attach or -1, owner, name)
+        spans = [
+            (t.span, -1, other.cache_id, t.spec.name)
             for other in self._caches.values()
             for t in other.tensors
         ]
-        for i, t in enumerate(cache.tensors):
-            for owner, name, span in seen:
-                if t.span.overlaps(span):
-                    where = (
-                        "another tensor of this Attach"
-                        if owner == cache.cache_id
-                        else (f"cache {owner!r}")
-                    )
-                    return (
-                        f"tensors[{i}].memory: bytes {t.span.start}..{t.span.end} overlap "
-                        f"{name!r} of {where} (bytes {span.start}..{span.end}); kvd would "
-                        "rewrite them twice"
-                    )
-            seen.append((cache.cache_id, t.spec.name, t.span))
+        spans += [(t.span, i, cache.cache_id, t.spec.name) for i, t in enumerate(cache.tensors)]
+        spans.sort(key=lambda s: (s[0].backing, s[0].start))
+        furthest = spans[0] if spans else None
+        for entry in spans[1:]:
+            assert furthest is not None
+            if entry[0].overlaps(furthest[0]):
+                ours, theirs = sorted((entry, furthest), key=lambda s: s[1], reverse=True)
+                span, i, _, _ = ours
+                other, _, owner, name = theirs
+                where = "another tensor of this Attach" if theirs[1] >= 0 else f"cache {owner!r}"
+                return (
+                    f"tensors[{i}].memory: bytes {span.start}..{span.end} overlap {name!r} of "
+                    f"{where} (bytes {other.start}..{other.end}); kvd would rewrite them twice"
+                )
+            if entry[0].backing != furthest[0].backing or entry[0].end > furthest[0].end:
+                furthest = entry
         return None
 
     def remove(self, cache_id: str) -> AttachedCache:

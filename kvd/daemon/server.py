@@ -31,16 +31,20 @@ from kvd.daemon.journal import Journal, JournalError
 from kvd.daemon.metrics import Metrics
 from kvd.daemon.metrics_http import HEALTH_PATH, READY_PATH, MetricsServer, parse_metrics_addr
 from kvd.daemon.pipeline import Pipeline
-from kvd.daemon.publisher import Publisher, ReplayServer
+from kvd.daemon.publisher import Publisher, ReplayServer, peer_queue
 from kvd.daemon.registry import Registry
 from kvd.daemon.sdnotify import Notifier
 from kvd.daemon.sockets import (
+    FD_RESERVE,
+    HANDSHAKE_S,
+    ConnectionGuard,
     EndpointError,
     RuntimeLock,
     SocketReader,
     bind,
     normalize_endpoint,
     prepare_runtime_dir,
+    raise_fd_limit,
     remove_runtime_files,
     write_endpoints,
 )
@@ -51,10 +55,6 @@ from kvd.kernels.device import lane_for
 
 log = logging.getLogger(__name__)
 
-INGEST_QUEUE = 65536
-"""Notifications queued per engine connection before its PUSH waits."""
-EVENTS_QUEUE = 1_000_000
-"""Events queued per subscriber before it misses some (and replays them)."""
 EXIT_DEVICE_FAILED = 3
 """Exit status after the device failed (a sticky CUDA error): only a new process gets a working
 CUDA context, so kvd exits and its service manager restarts it (``Restart=on-failure``)."""
@@ -114,6 +114,7 @@ class Server:
         self._control: Control | None = None
         self._ingest_reader: SocketReader | None = None
         self._replay: ReplayServer | None = None
+        self._connections: ConnectionGuard | None = None
         self._metrics_server: MetricsServer | None = None
         self._timers: list[Every] = []
         self._last_status = ""
@@ -172,10 +173,12 @@ class Server:
         # A hard ceiling well above the limit we report on, so oversized frames still get a
         # Failed answer instead of a silent disconnect.
         ingest.setsockopt(zmq.MAXMSGSIZE, max(16 * config.max_message_bytes, 64 << 20))
-        # Past this many queued notifications the engine's PUSH waits: memory stays bounded.
-        ingest.setsockopt(zmq.RCVHWM, INGEST_QUEUE)
+        # What kvd queues per peer, bounded by bytes: past it an engine's notifications wait in
+        # the engine, a subscriber misses events (and replays them).
+        queue = peer_queue(config.peer_queue_bytes, config.max_message_bytes)
+        ingest.setsockopt(zmq.RCVHWM, queue)
         events = self._socket(zmq.PUB)
-        events.setsockopt(zmq.SNDHWM, EVENTS_QUEUE)
+        events.setsockopt(zmq.SNDHWM, queue)
         replay = self._socket(zmq.ROUTER)
         control = self._socket(zmq.ROUTER)
         # Larger control frames close the sender's connection instead of being read.
@@ -186,6 +189,10 @@ class Server:
             "events": bind(events, wanted["events"], "events"),
             "replay": bind(replay, wanted["replay"], "replay"),
         }
+
+        self._connections = self._guard_connections(
+            loop, {"control": control, "ingest": ingest, "events": events, "replay": replay}
+        )
 
         registry = Registry(device)
         self._registry = registry
@@ -243,6 +250,15 @@ class Server:
             lambda: len(pipeline.ledger),
         )
         self.metrics.gauge("kvd_attached_caches", "Caches attached.", lambda: len(registry))
+        connections = self._connections
+        self.metrics.gauge(
+            "kvd_peer_connections", "Peer connections open, all sockets.", lambda: len(connections)
+        )
+        self.metrics.gauge(
+            "kvd_journal_failing",
+            "1 while the launch journal cannot be written (new work is refused), else 0.",
+            lambda: journal.problem is not None,
+        )
         self.metrics.gauge(
             "kvd_batch_window_seconds",
             "The batching window in force (with batch_window_us = auto, kvd's latest choice).",
@@ -271,7 +287,15 @@ class Server:
         )
         self._control.after_reply = control_reader.poke
         self._readers = [self._ingest_reader, control_reader]
-        self._replay = ReplayServer(replay, publisher.log, epoch, self.metrics.replays)
+        self._replay = ReplayServer(
+            replay,
+            publisher.log,
+            epoch,
+            self.metrics.replays,
+            abandoned=self.metrics.replays_abandoned,
+            dropped=self.metrics.replays_dropped,
+            queue=queue,
+        )
         self._replay.start()
         for sig in _HANDLED_SIGNALS:
             loop.add_signal_handler(sig, self.handle_exit, sig)
@@ -295,6 +319,23 @@ class Server:
         self._announce_ready(loop)
         if self.on_ready is not None:
             self.on_ready(self)
+
+    def _guard_connections(
+        self, loop: asyncio.AbstractEventLoop, sockets: dict[str, zmq.Socket[bytes]]
+    ) -> ConnectionGuard:
+        """Take every descriptor allowed, and keep peers from taking the last of them."""
+        limit = raise_fd_limit()
+        bound = self.config.max_connections
+        if bound > limit - FD_RESERVE:
+            bound = max(limit - FD_RESERVE, 1)
+            log.warning(
+                "max_connections lowered from %d to %d: the descriptor limit is %d "
+                "(raise LimitNOFILE)",
+                self.config.max_connections,
+                bound,
+                limit,
+            )
+        return ConnectionGuard(loop, sockets, bound, self.metrics.connections_refused)
 
     async def _start_metrics(self) -> str:
         """Listen for scrapes if ``metrics_addr`` is set; returns the URL bound or ''."""
@@ -462,6 +503,8 @@ class Server:
         for reader in self._readers:
             reader.close()
         self._readers = []
+        if self._connections is not None:
+            self._connections.close()
         if self._replay is not None:
             self._replay.stop()
             self._replay = None
@@ -489,6 +532,7 @@ class Server:
         assert self._ctx is not None
         sock = self._ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
         self._sockets.append(sock)
         return sock
 
