@@ -8,16 +8,19 @@ bytes is already reachable through another attached tensor.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvd.daemon.ledger import RemoteFormat
 from kvd.daemon.memory import AttachError, SharedSegment, Span
 from kvd.daemon.sockets import Connection
-from kvd.kernels import CachePostProcess
 from kvd.layout.formats import has_heads, legacy_remote_format
 from kvd.layout.geometry import TensorGeometry
 from kvd.protocol import PageFormat, Reason, TensorSpec
+
+if TYPE_CHECKING:  # loaded by the first Attach (attach.py), after READY
+    import torch
+
+    from kvd.kernels.postprocess import CachePostProcess
 
 
 @dataclass(slots=True)
@@ -124,8 +127,9 @@ def _remote_for(local: PageFormat, remote: RemoteFormat) -> PageFormat:
 
 
 class Registry:
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: str) -> None:
         self.device = device
+        """The daemon's device, ``'cpu'`` or ``'cuda:N'`` (``server.parse_device``)."""
         self._caches: dict[str, AttachedCache] = {}
 
     def get(self, cache_id: str) -> AttachedCache | None:

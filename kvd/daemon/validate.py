@@ -15,8 +15,12 @@ from kvd.daemon.journal import Outcome
 from kvd.daemon.ledger import Ledger, RemoteFormat
 from kvd.daemon.registry import AttachedCache, Registry, Rewrite
 from kvd.layout.formats import FormatError, resolve
-from kvd.layout.geometry import check_block_ids, preview, resolve_remote_block_size
-from kvd.layout.planner import group_shape
+from kvd.layout.geometry import (
+    check_block_ids,
+    group_shape,
+    preview,
+    resolve_remote_block_size,
+)
 from kvd.protocol import PROTOCOL_VERSION, ReadDone, ReadFailed, Reason
 
 

@@ -2,8 +2,8 @@
 
 Pure logic, no I/O: the registry calls ``cache_geometry`` on the ``TensorSpec``s of an Attach and
 opens memory only when every tensor passes. Also the checks every path shares on what a
-notification names: the block ids (``check_block_ids``) and the remote block size
-(``resolve_remote_block_size``).
+notification names: the block ids (``check_block_ids``), the remote block size
+(``resolve_remote_block_size``) and the pages one READ fills (``group_shape``).
 """
 
 from __future__ import annotations
@@ -279,6 +279,23 @@ def resolve_remote_block_size(
 
 
 BlockIdFault = Literal["out_of_range", "duplicate"]
+
+
+def group_shape(block_size: int, remote_block_size: int) -> tuple[int, int]:
+    """(local pages per group, remote pages per group) for local ``nD`` and remote ``nP``.
+
+    Raises ``ValueError`` unless one block size divides the other.
+    """
+    if block_size < 1 or remote_block_size < 1:
+        raise ValueError(f"block sizes must be >= 1, got {remote_block_size} -> {block_size}")
+    if block_size % remote_block_size == 0:
+        return 1, block_size // remote_block_size
+    if remote_block_size % block_size == 0:
+        return remote_block_size // block_size, 1
+    raise ValueError(
+        f"remote block size {remote_block_size} and local block size {block_size}: "
+        "neither divides the other"
+    )
 
 
 class BlockIdError(ValueError):
