@@ -18,8 +18,10 @@ def test_json_has_one_time_to_ready_per_start_and_load() -> None:
     assert report["device"] == "cpu" and report["starts"] == 1
     assert [entry["busy"] for entry in report["loads"]] == [0, 1]
     for entry in report["loads"]:
-        assert len(entry["ready_s"]) == 1 and entry["ready_s"][0] > 0
-        assert entry["min_s"] <= entry["median_s"] <= entry["max_s"]
+        ready, attached = entry["ready"], entry["attached"]
+        assert len(ready["samples_s"]) == 1 and ready["samples_s"][0] > 0
+        assert ready["min_s"] <= ready["median_s"] <= ready["max_s"]
+        assert attached["samples_s"][0] > ready["samples_s"][0], "attached after READY"
 
 
 def test_a_start_that_fails_is_reported_with_its_log() -> None:

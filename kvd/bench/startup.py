@@ -4,8 +4,11 @@ A restarted kvd is what every request in flight waits for, so this is the time t
 after a crash. Each start is a fresh ``python -m kvd serve`` on a fresh runtime directory, timed
 from just before the exec to the ``READY=1`` it sends on ``NOTIFY_SOCKET`` (sd_notify: what
 systemd waits for; every socket is bound, the journal recovered and the endpoints file written
-before it), then stopped with SIGTERM. Load is N busy-loop processes started before a level's
-starts and killed after them, standing in for the engines kvd runs beside.
+before it), and on a CPU daemon on to the reply to a first Attach (a tiny shared-memory cache,
+sent at READY): what an engine attaching at once waits for, torch's import included, since kvd
+loads it after READY. Then the daemon is stopped with SIGTERM. Load is N busy-loop processes
+started before a level's starts and killed after them, standing in for the engines kvd runs
+beside.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +43,26 @@ class StartupFailed(RuntimeError):
     """A ``kvd serve`` exited or stayed silent before READY; the message has its log."""
 
 
-def time_to_ready(device: str, timeout_s: float = READY_TIMEOUT_S) -> float:
-    """Seconds from exec to ``READY=1`` of one ``kvd serve --device device`` (then stopped)."""
-    with tempfile.TemporaryDirectory(prefix="kvd-b-") as tmp, _notify_socket() as (notify, env):
+@dataclass(frozen=True)
+class Start:
+    """One start, in seconds from the exec."""
+
+    ready_s: float
+    attached_s: float | None
+    """When the first Attach was answered; None on a CUDA daemon (no shared memory there)."""
+
+
+def time_start(device: str, timeout_s: float = READY_TIMEOUT_S) -> Start:
+    """Time one ``kvd serve --device device`` to READY and to its first Attach (then stop it)."""
+    from kvd.client import Client, KvdError, KvdTimeout, KvdUnavailable
+    from kvd.shm import ShmCache
+
+    cache = ShmCache.create(num_layers=1, num_blocks=4, block_size=4, num_heads=1, head_dim=4)
+    with (
+        tempfile.TemporaryDirectory(prefix="kvd-b-") as tmp,
+        _notify_socket() as (notify, env),
+        contextlib.closing(cache),
+    ):
         runtime_dir, log_path = Path(tmp) / "run", Path(tmp) / "kvd.log"
         cmd = [sys.executable, "-m", "kvd", "serve", "--runtime-dir", str(runtime_dir)]
         with open(log_path, "wb") as log:
@@ -53,10 +74,19 @@ def time_to_ready(device: str, timeout_s: float = READY_TIMEOUT_S) -> float:
                 env={**os.environ, **env},
             )
         try:
-            ready = _wait_ready(notify, proc, started + timeout_s, log_path)
+            deadline = started + timeout_s
+            ready = _wait_ready(notify, proc, deadline, log_path)
+            attached = None
+            if device == "cpu":
+                with Client(runtime_dir, timeout=max(deadline - time.perf_counter(), 0.1)) as c:
+                    try:
+                        c.attach("bench-startup", cache.specs)
+                    except (KvdError, KvdTimeout, KvdUnavailable) as exc:
+                        raise StartupFailed(f"first Attach: {exc}\n{_tail(log_path)}") from exc
+                attached = time.perf_counter() - started
         finally:
             _stop(proc)
-        return ready - started
+        return Start(ready - started, attached)
 
 
 @contextlib.contextmanager
@@ -124,7 +154,7 @@ def busy_processes(n: int) -> Iterator[None]:
 def run(args: argparse.Namespace) -> int:
     loads: list[int] = args.load
     quiet = args.json or args.no_progress
-    samples: dict[int, list[float]] = {}
+    samples: dict[int, list[Start]] = {}
     try:
         with progress_bar(
             len(loads) * args.starts, "kvd bench startup", unit="start", quiet=quiet
@@ -133,8 +163,8 @@ def run(args: argparse.Namespace) -> int:
                 with busy_processes(busy):
                     times = samples[busy] = []
                     for _ in range(args.starts):
-                        times.append(time_to_ready(args.device, args.timeout))
-                        bar.set_postfix_str(f"{busy} busy: {times[-1]:.2f} s")
+                        times.append(time_start(args.device, args.timeout))
+                        bar.set_postfix_str(f"{busy} busy: READY at {times[-1].ready_s:.2f} s")
                         bar.update()
     except StartupFailed as exc:
         print(f"kvd bench startup: {exc}", file=sys.stderr)
@@ -146,26 +176,40 @@ def run(args: argparse.Namespace) -> int:
         "loads": [
             {
                 "busy": busy,
-                "ready_s": [round(t, 4) for t in times],
-                "min_s": round(min(times), 4),
-                "median_s": round(statistics.median(times), 4),
-                "max_s": round(max(times), 4),
+                "ready": _spread([s.ready_s for s in starts]),
+                "attached": _spread([s.attached_s for s in starts if s.attached_s is not None]),
             }
-            for busy, times in samples.items()
+            for busy, starts in samples.items()
         ],
     }
     if args.json:
         print(json.dumps(report))
         return 0
     print(
-        f"kvd serve --device {args.device}: seconds from exec to READY=1, "
-        f"{args.starts} starts per load, {report['cpus']} CPUs"
+        f"kvd serve --device {args.device}: seconds from exec to READY=1 and to the first "
+        f"Attach answered (min / median / max), {args.starts} starts per load, "
+        f"{report['cpus']} CPUs"
     )
-    rows = [["busy processes", "min", "median", "max"]]
-    rows += [
-        [str(e["busy"]), f"{e['min_s']:.2f}", f"{e['median_s']:.2f}", f"{e['max_s']:.2f}"]
-        for e in report["loads"]
-    ]
-    for line in format_table(rows, right=(0, 1, 2, 3)):
+    rows = [["busy processes", "READY", "first Attach"]]
+    rows += [[str(e["busy"]), _cell(e["ready"]), _cell(e["attached"])] for e in report["loads"]]
+    for line in format_table(rows, right=(0,)):
         print(line)
     return 0
+
+
+def _spread(times: list[float]) -> dict[str, Any]:
+    """The samples and their min, median and max (empty when there are none)."""
+    if not times:
+        return {}
+    return {
+        "samples_s": [round(t, 4) for t in times],
+        "min_s": round(min(times), 4),
+        "median_s": round(statistics.median(times), 4),
+        "max_s": round(max(times), 4),
+    }
+
+
+def _cell(spread: dict[str, Any]) -> str:
+    if not spread:
+        return "-"
+    return f"{spread['min_s']:.2f} / {spread['median_s']:.2f} / {spread['max_s']:.2f}"
