@@ -144,6 +144,10 @@ class _Message(msgspec.Struct, omit_defaults=True, gc=False, kw_only=True, tag_f
 # Memory references: where an attached tensor's bytes live.
 
 
+SHM_DIR = "/dev/shm"
+"""Where the POSIX shared-memory objects that ``ShmRef`` names live."""
+
+
 class ShmRef(msgspec.Struct, omit_defaults=True, gc=False, kw_only=True, tag="shm"):
     """A POSIX shared-memory object ``/dev/shm/<name>``; the tensor starts ``offset`` bytes in."""
 

@@ -11,18 +11,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
-import torch
-
 from kvd.daemon.ledger import RemoteFormat
 from kvd.daemon.memory import AttachError, SharedSegment, Span
 from kvd.daemon.sockets import Connection
-from kvd.kernels import CachePostProcess
 from kvd.layout.formats import has_heads, legacy_remote_format
 from kvd.layout.geometry import TensorGeometry
 from kvd.protocol import PageFormat, Reason, TensorSpec
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # loaded by the first Attach (attach.py), after READY
+    import torch
+
     from kvd.daemon.validate import Rejection, Route, RouteKey
+    from kvd.kernels.postprocess import CachePostProcess
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -146,8 +146,9 @@ def _remote_for(local: PageFormat, remote: RemoteFormat) -> PageFormat:
 
 
 class Registry:
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: str) -> None:
         self.device = device
+        """The daemon's device, ``'cpu'`` or ``'cuda:N'`` (``server.parse_device``)."""
         self._caches: dict[str, AttachedCache] = {}
         self.get: Callable[[str], AttachedCache | None] = self._caches.get
         """The attached cache of an id, or None (the dict's own method: a hot path)."""

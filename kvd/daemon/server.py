@@ -1,10 +1,14 @@
 """The daemon's lifecycle: startup -> main loop -> shutdown.
 
-Startup binds every socket and opens the device, and only then reports ready (to systemd too,
-with READY=1). SIGTERM or SIGINT starts a graceful drain, bounded by ``drain_timeout_s``: new
-notifications are answered with Failed(shutting_down), accepted ones are finished and published,
-then sockets close before the context. A second signal forces the exit, answering what is still
-unfinished with Failed(shutting_down).
+Startup binds every socket, opens a CUDA device and recovers the journal, and only then reports
+ready (to systemd too, with READY=1). A CPU daemon gets there without torch, numpy or the kernels,
+most of a start's time: they load just after READY, off the loop (``load_kernels``), so a
+restarted kvd is back for its engines as soon as it can be.
+
+SIGTERM or SIGINT starts a graceful drain, bounded by ``drain_timeout_s``: new notifications
+are answered with Failed(shutting_down), accepted ones are finished and published, then sockets
+close before the context. A second signal forces the exit, answering what is still unfinished
+with Failed(shutting_down).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import secrets
 import signal
 import sys
@@ -19,7 +24,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
 import zmq
 
 from kvd import __version__
@@ -50,8 +54,6 @@ from kvd.daemon.sockets import (
 )
 from kvd.daemon.timers import Every
 from kvd.endpoints import Endpoints, default_runtime_dir
-from kvd.kernels import cpu as kernels_cpu
-from kvd.kernels.device import lane_for
 
 log = logging.getLogger(__name__)
 
@@ -64,31 +66,55 @@ EXECUTOR_GRACE_S = 1.0
 # How often STATUS= is refreshed for `systemctl status` (only sent when it changed).
 STATUS_INTERVAL_S = 5.0
 _HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_DEVICE = re.compile(r"(cpu|cuda)(?::(\d+))?")
 
 
 class StartupError(RuntimeError):
     """The daemon cannot start; the message says what to change."""
 
 
-def parse_device(spec: str) -> torch.device:
-    try:
-        device = torch.device(spec)
-    except RuntimeError as exc:
-        raise StartupError(f"device: {spec!r} is not a device ('cpu' or 'cuda[:N]')") from exc
-    if device.type not in ("cpu", "cuda"):
+def parse_device(spec: str) -> str:
+    """The daemon's device, ``'cpu'`` or ``'cuda:N'``; a CUDA one is checked and initialised.
+
+    Only a CUDA device imports torch here: a CPU daemon's torch loads after READY.
+    """
+    match = _DEVICE.fullmatch(spec)
+    if match is None:
         raise StartupError(f"device: {spec!r} is not supported; use 'cpu' or 'cuda[:N]'")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise StartupError(f"device: {spec!r} was asked for, but CUDA is not available here")
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if index >= torch.cuda.device_count():
-            raise StartupError(
-                f"device: {spec!r}: only {torch.cuda.device_count()} CUDA devices are visible"
-            )
-        device = torch.device("cuda", index)
-        torch.cuda.set_device(device)
-        torch.cuda.init()  # type: ignore[no-untyped-call]
-    return device
+    if match[1] == "cpu":
+        return "cpu"
+    import torch
+
+    if not torch.cuda.is_available():
+        raise StartupError(f"device: {spec!r} was asked for, but CUDA is not available here")
+    index = int(match[2]) if match[2] is not None else torch.cuda.current_device()
+    if index >= torch.cuda.device_count():
+        raise StartupError(
+            f"device: {spec!r}: only {torch.cuda.device_count()} CUDA devices are visible"
+        )
+    device = torch.device("cuda", index)
+    torch.cuda.set_device(device)
+    torch.cuda.init()  # type: ignore[no-untyped-call]
+    return str(device)
+
+
+def load_kernels(device: str) -> None:
+    """Import torch, numpy and the kernels (a second idle, tens beside busy engines).
+
+    Run off the loop just after READY, so the first Attach finds them loaded; an Attach that
+    comes sooner imports them in its own worker thread (the import lock makes it wait for this).
+    """
+    try:
+        from kvd.daemon import attach  # noqa: F401  (imported for its imports)
+        from kvd.kernels import cpu
+    except ImportError as exc:
+        log.error("cannot load the kernels (%s): every Attach will fail", exc)
+        return
+    if device == "cpu" and not cpu.available():
+        log.warning(
+            "the compiled CPU kernel is not built (no C compiler at install time?): the "
+            "post-process uses plain torch ops, several times slower"
+        )
 
 
 class Server:
@@ -148,13 +174,8 @@ class Server:
         config = self.config
         loop = asyncio.get_running_loop()
         device = parse_device(config.device)
-        if config.ready_cuda_event and device.type != "cuda":
+        if config.ready_cuda_event and device == "cpu":
             raise StartupError("ready_cuda_event: CUDA events need a daemon on a CUDA device")
-        if device.type == "cpu" and not kernels_cpu.available():
-            log.warning(
-                "the compiled CPU kernel is not built (no C compiler at install time?): the "
-                "post-process uses plain torch ops, several times slower"
-            )
         runtime_dir = (
             Path(config.runtime_dir) if config.runtime_dir else default_runtime_dir(config.gpu)
         )
@@ -208,8 +229,12 @@ class Server:
         def executor_factory(
             loop: asyncio.AbstractEventLoop, done: Callable[[Job], None]
         ) -> Executor:
-            if device.type == "cuda":
-                lane = lane_for(device, config.stream_priority)
+            if device != "cpu":
+                import torch
+
+                from kvd.kernels.device import lane_for
+
+                lane = lane_for(torch.device(device), config.stream_priority)
                 return CudaExecutor(
                     loop,
                     done,
@@ -319,6 +344,7 @@ class Server:
         self._announce_ready(loop)
         if self.on_ready is not None:
             self.on_ready(self)
+        loop.run_in_executor(None, load_kernels, device)
 
     def _guard_connections(
         self, loop: asyncio.AbstractEventLoop, sockets: dict[str, zmq.Socket[bytes]]

@@ -20,8 +20,13 @@ from kvd.daemon.journal import Outcome
 from kvd.daemon.ledger import Ledger, RemoteFormat
 from kvd.daemon.registry import AttachedCache, Registry, Rewrite, remember
 from kvd.layout.formats import FormatError, resolve
-from kvd.layout.geometry import check_block_ids, preview, resolve_remote_block_size
-from kvd.layout.planner import group_problem, group_shape
+from kvd.layout.geometry import (
+    check_block_ids,
+    group_problem,
+    group_shape,
+    preview,
+    resolve_remote_block_size,
+)
 from kvd.protocol import PROTOCOL_VERSION, FormatRef, Layout, ReadDone, ReadFailed, Reason
 
 

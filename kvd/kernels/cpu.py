@@ -9,13 +9,13 @@ ends the call with ``MemoryFault`` instead of the process.
 from __future__ import annotations
 
 import functools
-import signal
 from types import ModuleType
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvd.kernels.faults import MemoryFault
 from kvd.layout.planner import Plan
 
 _runs: ModuleType | None
@@ -32,20 +32,6 @@ THREADED_BYTES = 4 << 20
 _TORCH_CHUNK_BYTES = 1 << 20
 
 _TORCH_WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-
-
-class MemoryFault(RuntimeError):
-    """The kernel touched memory that is gone (SIGBUS: the engine truncated a shared-memory
-    file kvd maps; SIGSEGV: unmapped). Pages of the call may be partly rewritten."""
-
-    def __init__(self, signo: int, address: int) -> None:
-        try:
-            name = signal.Signals(signo).name
-        except ValueError:
-            name = f"signal {signo}"
-        super().__init__(f"{name} at address {address:#x} while rewriting pages")
-        self.signal = signo
-        self.address = address
 
 
 def available() -> bool:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -33,6 +32,7 @@ from kvd.layout.formats import (
     page_bytes,
     page_layout,
 )
+from kvd.layout.geometry import group_shape
 from kvd.protocol import Axis, PageFormat
 
 MAX_PLAN_UNITS = 1 << 22
@@ -139,42 +139,6 @@ def _gather_index(plan: Plan, width: int) -> npt.NDArray[np.int64]:
 def _frozen(a: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
     a.setflags(write=False)
     return a
-
-
-def group_shape(block_size: int, remote_block_size: int) -> tuple[int, int]:
-    """(local pages per group, remote pages per group) for local ``nD`` and remote ``nP``.
-
-    Raises ``ValueError`` unless one block size divides the other.
-    """
-    if block_size < 1 or remote_block_size < 1:
-        raise ValueError(f"block sizes must be >= 1, got {remote_block_size} -> {block_size}")
-    if block_size % remote_block_size == 0:
-        return 1, block_size // remote_block_size
-    if remote_block_size % block_size == 0:
-        return remote_block_size // block_size, 1
-    raise ValueError(
-        f"remote block size {remote_block_size} and local block size {block_size}: "
-        "neither divides the other"
-    )
-
-
-def group_problem(
-    num_ids: int, covered: int, pages: int, remote_pages: int
-) -> tuple[Literal["physical_block_ids", "covered_sub_blocks"], str] | None:
-    """The group rule of one request, given its ``group_shape``: its ``num_ids`` local blocks
-    are whole groups of ``pages``, and ``covered`` (0: all) counts at most the remote pages
-    they hold. (field at fault, why) when it is broken, else None."""
-    if num_ids % pages:
-        return "physical_block_ids", (
-            f"{num_ids} block ids do not fill whole groups of {pages} (a remote block lands "
-            f"across {pages} local blocks)"
-        )
-    holds = num_ids // pages * remote_pages
-    if covered < 0 or covered > holds:
-        return "covered_sub_blocks", (
-            f"{covered} is not in [0, {holds}] (the remote blocks {num_ids} local blocks hold)"
-        )
-    return None
 
 
 def plan(
