@@ -241,8 +241,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--arrivals",
         type=int,
         default=8,
-        help="load: requests prefilled one at a time while the running ones decode, each "
-        "added to the decode instance when its prefill is done (8)",
+        help="load: requests added one at a time while the running ones decode (8)",
     )
     parser.add_argument(
         "--arrival-prompt-tokens",
@@ -263,12 +262,14 @@ the same requests, in one or both modes:
 
   sequential  requests one at a time; request latency is prefill to last token.
   load        --running requests decode --running-tokens each while --arrivals more, of
-              --arrival-prompt-tokens, are prefilled one at a time and their KV pulled by NIXL.
+              --arrival-prompt-tokens, join: all are prefilled first, then the arrivals are
+              added to the decode instance one at a time over the first half of the running
+              requests' decode, and NIXL pulls their KV while those decode.
               Engine step: one LLMEngine.step() that ran a forward. Inter-token: gaps between a
               running request's tokens. TTFT: from an arrival's add to the decode instance to
               its first token (the NIXL READ, the post-process (inline, or through kvd), the
               step that picks it up, the first forward; not the prefill). Request latency: from
-              the prefill being asked for to the last token.
+              the add to the last token.
 
 Both connectors are timed identically, per engine step, by kvd.bench.vllm_connectors:
 get_finished is the whole get_transfer_results vLLM calls each step; inside it, vLLM's NIXL

@@ -201,24 +201,9 @@ class _PrefillServer:
         self._sock.connect(endpoint)
 
     def transfer_params(self, batch: list[list[int]]) -> list[dict[str, Any]]:
-        self.send(batch)
-        answer = self.poll(STARTUP_S)
-        if answer is None:
-            raise RuntimeError(f"the prefill server did not answer in {STARTUP_S} s")
-        return answer
-
-    def send(self, batch: list[list[int]]) -> None:
-        """Ask for ``batch``'s prefill; ``poll`` has the answer."""
         import msgspec
 
         self._sock.send(msgspec.msgpack.encode({"op": "prefill", "prompts": batch}))
-
-    def poll(self, timeout_s: float) -> list[dict[str, Any]] | None:
-        """The transfer params of the batch sent, or None if not there within ``timeout_s``."""
-        import msgspec
-
-        if not self._sock.poll(int(timeout_s * 1000)):
-            return None
         return [p["kv_transfer_params"] for p in msgspec.msgpack.decode(self._sock.recv())]
 
 
@@ -285,58 +270,43 @@ def _under_load(llm: Any, server: _PrefillServer, load: dict[str, Any]) -> dict[
     """Running requests decode while arrivals' KV lands, stepping the engine by hand.
 
     ``load``: ``running`` and ``arrivals`` (prompt token lists), ``running_tokens`` and
-    ``arrival_tokens`` (tokens each decodes). The running requests are prefilled together and
-    added at once; then the arrivals are prefilled one at a time on the prefill instance while
-    this engine steps, each added the moment its transfer params come back. Times are seconds
-    from the start of the run: per request when its prefill was asked for, when it was added
-    here, and when each of its tokens came out of a step; per step its duration and whether it
-    produced a token (ran a forward for some request).
+    ``arrival_tokens`` (tokens each decodes). Both sets are prefilled first (the prefill
+    instance holds their KV); the running requests are added at once, and the arrivals one at
+    a time while the running ones decode: arrival ``i`` when they have ``1 + i * step`` tokens,
+    ``step`` spreading the arrivals over the first half of their decode, so every arrival's KV
+    lands during it whatever the prefill instance's speed. Times are seconds from the start of
+    the run: per request when it was added here and when each of its tokens came out of a step;
+    per step its duration and whether it produced a token (ran a forward for some request).
     """
     from vllm import TokensPrompt
 
     engine = llm.llm_engine
+    running_params = server.transfer_params(load["running"])
+    arrival_params = server.transfer_params(load["arrivals"])
     started = time.perf_counter()
     requests: dict[str, dict[str, Any]] = {}
     by_engine_id: dict[str, dict[str, Any]] = {}
 
     def add(name: str, tokens: list[int], params: dict[str, Any], max_tokens: int) -> None:
-        record = requests[name]
+        record = requests[name] = {"kind": name.partition("-")[0], "token_at": []}
         record["added_at"] = time.perf_counter() - started
         engine_id = engine.add_request(
             name, TokensPrompt(prompt_token_ids=tokens), sampling(max_tokens, params, None)
         )
         by_engine_id[name] = by_engine_id[engine_id] = record
 
-    for i in range(len(load["running"])):
-        requests[f"running-{i}"] = {"kind": "running", "prefill_at": 0.0, "token_at": []}
-    for i, (tokens, params) in enumerate(
-        zip(load["running"], server.transfer_params(load["running"]), strict=True)
-    ):
+    for i, (tokens, params) in enumerate(zip(load["running"], running_params, strict=True)):
         add(f"running-{i}", tokens, params, load["running_tokens"])
-    waiting = list(enumerate(load["arrivals"]))
-    asked: tuple[int, list[int]] | None = None
+    running = list(requests.values())
+    waiting = list(enumerate(zip(load["arrivals"], arrival_params, strict=True)))
+    spacing = max(1, load["running_tokens"] // 2 // max(1, len(waiting)))
     step_s: list[float] = []
     step_produced: list[bool] = []
-    while waiting or asked is not None or engine.has_unfinished_requests():
-        if asked is None and waiting:
-            asked = waiting.pop(0)
-            name = f"arrival-{asked[0]}"
-            requests[name] = {
-                "kind": "arrival",
-                "prefill_at": time.perf_counter() - started,
-                "token_at": [],
-            }
-            server.send([asked[1]])
-        if asked is not None:
-            # Nothing to step: wait for the prefill instead of spinning.
-            answer = server.poll(0 if engine.has_unfinished_requests() else STARTUP_S)
-            if answer is not None:
-                add(f"arrival-{asked[0]}", asked[1], answer[0], load["arrival_tokens"])
-                asked = None
-            elif not engine.has_unfinished_requests():
-                raise RuntimeError(f"the prefill server did not answer in {STARTUP_S} s")
-        if not engine.has_unfinished_requests():
-            continue
+    while waiting or engine.has_unfinished_requests():
+        decoded = min(len(r["token_at"]) for r in running)
+        while waiting and decoded >= 1 + waiting[0][0] * spacing:
+            i, (tokens, params) = waiting.pop(0)
+            add(f"arrival-{i}", tokens, params, load["arrival_tokens"])
         step_started = time.perf_counter()
         outputs = engine.step()
         stepped = time.perf_counter()
