@@ -350,13 +350,19 @@ class Client:
         """Send one already-encoded frame on the ingest socket (tests and tools)."""
         if self._push is None:
             self._locator.check()
-            sock = self._ctx.socket(zmq.PUSH)
             # Keep unsent notifications for a while on close: losing one strands a request.
-            sock.setsockopt(zmq.LINGER, int(self.timeout * 1000))
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.connect(self.endpoints.ingest)
-            self._push = sock
+            self._push = self.ingest_socket(linger_s=self.timeout)
         self._push.send(frame)
+
+    def ingest_socket(self, *, linger_s: float) -> zmq.Socket[bytes]:
+        """A new PUSH socket to kvd's ingest endpoint, for a thread that sends notifications
+        itself (a socket serves one thread). Unbounded: a send never blocks once connected;
+        ``linger_s`` is how long unsent frames are kept when it is closed."""
+        sock = self._ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, int(linger_s * 1000))
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.connect(self.endpoints.ingest)
+        return sock
 
     # -- events ---------------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ daemon's events of every known topic replayed from its first.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
@@ -76,8 +77,8 @@ class _Gap:
 
     topic: str
     from_seq: int | None
-    live: tuple[int, bytes] | None = None
-    """The live (seq, payload) that revealed the gap, delivered after the replay."""
+    live: tuple[int, Event] | None = None
+    """The live (seq, event) that revealed the gap, delivered after the replay."""
 
 
 class _Ordering:
@@ -107,7 +108,8 @@ class _Ordering:
         if self.topics and topic not in self.topics and topic != UNATTACHED_TOPIC:
             return None  # a longer topic that shares the prefix we subscribed to
         seq = decode_seq(seq_b)
-        epoch = _EVENT_DECODER.decode(payload).epoch
+        event = _EVENT_DECODER.decode(payload)
+        epoch = event.epoch
         if epoch in self.replaced:
             # Published by a daemon since replaced, and still queued on the SUB socket (read
             # in turn with the new connection's events): its EventsLost was raised already.
@@ -124,8 +126,8 @@ class _Ordering:
             self.checked.add(topic)
             return _Gap(topic, expected)
         if seq > expected:
-            return _Gap(topic, expected, (seq, payload))
-        self._deliver(topic, seq, payload)
+            return _Gap(topic, expected, (seq, event))
+        self._deliver(topic, seq, event)
         return None
 
     def resync(self) -> list[_Gap]:
@@ -148,7 +150,7 @@ class _Ordering:
         self.expected.setdefault(topic, gap.from_seq)
         for seq, payload in frames:
             if seq >= self.expected[topic]:
-                self._deliver(topic, seq, payload)
+                self._deliver(topic, seq, _EVENT_DECODER.decode(payload))
         if gap.live is not None and gap.live[0] >= self.expected[topic]:
             self._deliver(topic, *gap.live)
         if end.oldest_seq > gap.from_seq:
@@ -168,10 +170,10 @@ class _Ordering:
             self.pending.append(_Gap(t, 1))
         raise EventsLost(topic, first, -1, restarted=True)
 
-    def _deliver(self, topic: str, seq: int, payload: bytes) -> None:
+    def _deliver(self, topic: str, seq: int, event: Event) -> None:
         self.expected[topic] = seq + 1
         self.checked.discard(topic)
-        self.ready.append(Delivery(topic, seq, _EVENT_DECODER.decode(payload)))
+        self.ready.append(Delivery(topic, seq, event))
 
 
 def _configure_sub(sock: zmq.Socket[Any], endpoints: Endpoints, topics: list[str]) -> None:
@@ -185,6 +187,32 @@ def _configure_sub(sock: zmq.Socket[Any], endpoints: Endpoints, topics: list[str
 def _replay_request(gap: _Gap) -> bytes:
     from_seq = _BASELINE if gap.from_seq is None else gap.from_seq
     return _ENCODER.encode(Replay(topic=gap.topic, from_seq=from_seq))
+
+
+def _replay_socket(ctx: Any, endpoints: Endpoints) -> Any:
+    """A DEALER of its own per replay: a late answer to an abandoned one is never mistaken for
+    the next one's (``ctx`` is a ``zmq.Context`` or a ``zmq.asyncio.Context``)."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.connect(endpoints.replay)
+    return sock
+
+
+class _ReplayAnswer:
+    """The frames of one replay answer: events, then the ReplayEnd (``end``, its payload)."""
+
+    def __init__(self) -> None:
+        self.frames: list[tuple[int, bytes]] = []
+        self.end: bytes | None = None
+
+    def take(self, message: list[bytes]) -> None:
+        _, seq_b, payload = message
+        seq = decode_seq(seq_b)
+        if seq == END_SEQ:
+            self.end = payload
+        else:
+            self.frames.append((seq, payload))
 
 
 class _Replays:
@@ -248,50 +276,50 @@ class Subscription(_Replays, Iterator[Delivery]):
                 return delivery
 
     def poll(self, timeout: float) -> Delivery | None:
-        """The next delivery, or None if nothing arrives within ``timeout`` seconds."""
+        """The next delivery, or None if nothing arrives within ``timeout`` seconds.
+
+        ``poll(0)`` on an empty subscription is one non-blocking socket poll (plus, once per
+        resync interval of silence, the replay that asks kvd whether anything is newer).
+        """
         deadline = time.monotonic() + timeout
         order = self._order
         while True:
             self._replay_all(order.pending)
             if order.ready:
                 return order.ready.popleft()
-            remaining_ms = int((deadline - time.monotonic()) * 1000)
-            if remaining_ms < 0:
-                return None
-            if self._sub.poll(min(remaining_ms, self._resync_ms)):
+            # Rounded up: a deadline a fraction of a millisecond away is still a wait.
+            wait_ms = max(0, math.ceil((deadline - time.monotonic()) * 1000))
+            if self._sub.poll(min(wait_ms, self._resync_ms)):
                 self._heard = time.monotonic()
                 gap = order.live(*self._sub.recv_multipart())
                 if gap is not None:
                     self._replay(gap)
-            elif time.monotonic() - self._heard >= self._resync_ms / 1000:
-                # Silent for a resync interval: ask kvd. Not at every empty poll: an engine
-                # polls with no wait each step, and a replay is a round trip.
-                self._heard = time.monotonic()
+                continue
+            now = time.monotonic()
+            if now - self._heard >= self._resync_ms / 1000:
+                # Silent for a resync interval: ask kvd. Not at every empty poll: a
+                # subscriber may poll with no wait in a loop, and a replay is a round trip.
+                self._heard = now
                 order.pending.extend(order.resync())
+            elif now >= deadline:
+                return None
 
     def _replay_all(self, gaps: deque[_Gap]) -> None:
         while gaps:
             self._replay(gaps.popleft())
 
     def _replay(self, gap: _Gap) -> None:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.connect(self._endpoints.replay)
-        frames = []
+        sock = _replay_socket(self._ctx, self._endpoints)
+        answer = _ReplayAnswer()
         try:
             sock.send(_replay_request(gap))
-            while True:
+            while answer.end is None:
                 if not sock.poll(self._timeout_ms):
                     raise self._no_answer()
-                _, seq_b, payload = sock.recv_multipart()
-                seq = decode_seq(seq_b)
-                if seq == END_SEQ:
-                    break
-                frames.append((seq, payload))
+                answer.take(sock.recv_multipart())
         finally:
             sock.close()
-        self._order.replayed(gap, frames, payload)
+        self._order.replayed(gap, answer.frames, answer.end)
 
     def close(self) -> None:
         self._sub.close()
@@ -345,24 +373,17 @@ class AsyncSubscription(_Replays, AsyncIterator[Delivery]):
                 order.pending.extend(order.resync())
 
     async def _replay(self, gap: _Gap) -> None:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.connect(self._endpoints.replay)
-        frames = []
+        sock = _replay_socket(self._ctx, self._endpoints)
+        answer = _ReplayAnswer()
         try:
             await sock.send(_replay_request(gap))
-            while True:
+            while answer.end is None:
                 if not await sock.poll(self._timeout_ms):
                     raise self._no_answer()
-                _, seq_b, payload = await sock.recv_multipart()
-                seq = decode_seq(seq_b)
-                if seq == END_SEQ:
-                    break
-                frames.append((seq, payload))
+                answer.take(await sock.recv_multipart())
         finally:
             sock.close()
-        self._order.replayed(gap, frames, payload)
+        self._order.replayed(gap, answer.frames, answer.end)
 
     def close(self) -> None:
         self._sub.close()

@@ -11,13 +11,14 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import msgspec
 import pytest
 import torch
 import zmq
 
-from kvd.client import AsyncClient, Client, KvdError, ShmCache
+from kvd.client import AsyncClient, Client, KvdError, ShmCache, Subscription
 from kvd.daemon_process import DaemonProcess
 from kvd.protocol import CudaIpcRef, Failed, Ready, ShmRef
 from tests.daemon_helpers import by_req, collect, wait_for
@@ -662,3 +663,28 @@ def test_polling_without_waiting_does_not_ask_kvd_each_time(
     (event,) = collect(sub, 1)
     assert event.event.req_id == f"{cache_id}-polled", "and events still arrive"
     sub.close()
+
+
+def test_poll_without_a_wait_on_an_idle_subscription_polls_its_socket_once(
+    daemon: DaemonProcess,
+) -> None:
+    """An engine polls its subscription with no wait on every step: that must cost one
+    non-blocking socket poll, not a spin until a millisecond has passed."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sub = Subscription(ctx, daemon.endpoints(), [unique("idle")], resync_interval=3600)
+    polls = 0
+    socket_poll = sub._sub.poll
+
+    def counted(*args: Any, **kwargs: Any) -> int:
+        nonlocal polls
+        polls += 1
+        return socket_poll(*args, **kwargs)
+
+    sub._sub.poll = counted  # type: ignore[method-assign]
+    try:
+        for _ in range(100):
+            assert sub.poll(0) is None
+    finally:
+        sub.close()
+        ctx.term()
+    assert polls == 100

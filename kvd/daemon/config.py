@@ -130,7 +130,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     metrics_addr: Annotated[
         str,
         _doc(
-            "Serve Prometheus metrics over HTTP at HOST:PORT (GET /metrics). A bare PORT or "
+            "Serve Prometheus metrics over HTTP at HOST:PORT (GET /metrics), and the health "
+            "probes /healthz and /readyz. A bare PORT or "
             ":PORT listens on 127.0.0.1; IPv6 as [ADDR]:PORT; port 0 picks a free port (see "
             "endpoints.json). Empty: off."
         ),
@@ -145,6 +146,17 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             ),
         ),
     ] = 10.0
+    executor_watchdog_s: Annotated[
+        float,
+        msgspec.Meta(
+            ge=0,
+            description=(
+                "How long (seconds) a post-process job may go without completing before "
+                "/healthz reports kvd unhealthy (a hung kernel: a restart is the cure). "
+                "0: no bound."
+            ),
+        ),
+    ] = 60.0
     engine_lease_s: Annotated[
         float,
         msgspec.Meta(

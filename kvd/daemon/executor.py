@@ -127,24 +127,30 @@ class Executor:
         self._on_fatal = on_fatal
         self.failed: str | None = None
         """Why the device failed; from then on no job runs or is reported."""
-        # Fault injection for the tests: the first job finds the device broken. Never set in
-        # service.
-        self._fail_first = os.environ.get("KVD_TEST_CRASH_AT") == "device_failure"
+        # Fault injection for the tests: the first job finds the device broken, or never
+        # completes (a hung kernel). Never set in service.
+        self._injected = os.environ.get("KVD_TEST_CRASH_AT", "")
         self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        self._outstanding = 0
+        self._jobs: list[Job] = []
+        """Jobs submitted and not yet done, oldest first (at most ``capacity``)."""
         self._thread = threading.Thread(target=self._run, name="kvd-executor", daemon=True)
         self._thread.start()
 
     @property
     def outstanding(self) -> int:
-        return self._outstanding
+        return len(self._jobs)
 
     def has_capacity(self) -> bool:
-        return self.failed is None and self._outstanding < self.capacity
+        return self.failed is None and len(self._jobs) < self.capacity
+
+    def stalled_s(self, now_ns: int) -> float:
+        """Seconds the oldest job outstanding has waited to complete since its submission (0
+        when idle): what the health check holds against ``executor_watchdog_s``."""
+        return (now_ns - self._jobs[0].submitted_ns) / 1e9 if self._jobs else 0.0
 
     def submit(self, job: Job) -> None:
         job.submitted_ns = time.monotonic_ns()
-        self._outstanding += 1
+        self._jobs.append(job)
         self._queue.put(job)
 
     def close(self, timeout: float | None = None) -> bool:
@@ -175,12 +181,14 @@ class Executor:
                 return
 
     def _finish(self, job: Job) -> None:
-        self._outstanding -= 1
+        self._jobs.remove(job)
         self._on_done(job)
 
     def _check_injected_failure(self) -> None:
-        if self._fail_first:
+        if self._injected == "device_failure":
             raise DeviceFailed("injected by KVD_TEST_CRASH_AT=device_failure")
+        if self._injected == "executor_stall":
+            threading.Event().wait()  # forever: the thread is a daemon, the exit leaves it
 
     def _fail(self, reason: str) -> None:
         """The device failed (any thread): stop, and tell the loop once."""

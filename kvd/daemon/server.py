@@ -15,6 +15,7 @@ import os
 import secrets
 import signal
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,12 +23,13 @@ import torch
 import zmq
 
 from kvd import __version__
+from kvd.daemon import health
 from kvd.daemon.config import Config
 from kvd.daemon.control import Control
 from kvd.daemon.executor import CudaExecutor, Executor, Job
 from kvd.daemon.journal import Journal, JournalError
 from kvd.daemon.metrics import Metrics
-from kvd.daemon.metrics_http import MetricsServer, parse_metrics_addr
+from kvd.daemon.metrics_http import HEALTH_PATH, READY_PATH, MetricsServer, parse_metrics_addr
 from kvd.daemon.pipeline import Pipeline
 from kvd.daemon.publisher import Publisher, ReplayServer
 from kvd.daemon.registry import Registry
@@ -116,6 +118,8 @@ class Server:
         self._timers: list[Every] = []
         self._last_status = ""
         self.on_ready: Callable[[Server], None] | None = None
+        self.started = False
+        """Startup finished: sockets bound, journal recovered, notifications read."""
 
     def run(self) -> int:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
@@ -287,6 +291,7 @@ class Server:
         )
         if metrics_url:
             log.info("metrics at %s", metrics_url)
+        self.started = True
         self._announce_ready(loop)
         if self.on_ready is not None:
             self.on_ready(self)
@@ -299,7 +304,9 @@ class Server:
             host, port = parse_metrics_addr(self.config.metrics_addr)
         except ValueError as exc:
             raise StartupError(str(exc)) from exc
-        server = MetricsServer(self.metrics.render)
+        server = MetricsServer(
+            self.metrics.render, {HEALTH_PATH: self.liveness, READY_PATH: self.readiness}
+        )
         try:
             url = await server.start(host, port)
         except OSError as exc:
@@ -309,6 +316,17 @@ class Server:
             ) from exc
         self._metrics_server = server
         return url
+
+    def liveness(self) -> health.Verdict:
+        """What ``/healthz`` answers (``kvd.daemon.health``)."""
+        pipeline = self._pipeline
+        stalled_s = pipeline.executor.stalled_s(time.monotonic_ns()) if pipeline else 0.0
+        return health.liveness(self.device_failure, stalled_s, self.config.executor_watchdog_s)
+
+    def readiness(self) -> health.Verdict:
+        """What ``/readyz`` answers."""
+        accepting = self._pipeline is not None and self._pipeline.accepting
+        return health.readiness(self.started, accepting, self.liveness())
 
     def _announce_ready(self, loop: asyncio.AbstractEventLoop) -> None:
         notifier = self.notifier

@@ -16,18 +16,19 @@ differs in four places:
   journal); a kvd gone for ``kvd_down_timeout_s`` fails what is held. Nothing hangs, and nothing
   decodes from blocks kvd did not finish.
 
+The engine's thread only sends and takes answers from a deque; whatever may wait (the
+subscription, replays, liveness checks, attaching again, the stats file) runs on the connector's
+own thread, ``kvd.vllm.link``.
+
 kvd is found through ``kv_connector_extra_config["kvd_runtime_dir"]``, else ``KVD_RUNTIME_DIR``,
 else kvd's default runtime directory for the worker's rank; an unreachable kvd is a startup error.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,21 +49,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
 
 from kvd.client import (
     Client,
-    EventsLost,
     KvdError,
     KvdTimeout,
     KvdUnavailable,
-    Subscription,
     read_done_message,
     resolve_runtime_dir,
 )
 from kvd.dtypes import dtype_name
-from kvd.endpoints import daemon_alive
-from kvd.protocol import CACHE_ID_MAX, MemoryRef, ShmRef, TensorSpec
-from kvd.subscription import ReplayError
+from kvd.protocol import CACHE_ID_MAX, Event, MemoryRef, ShmRef, TensorSpec
 from kvd.vllm.formats import UnknownFormat, page_format, remote_page_format
 from kvd.vllm.holding import Held, Holding, Released
+from kvd.vllm.link import Attachment, GiveUp, KvdLink, Resend, State
 from kvd.vllm.shm import ShmAllocation
+from kvd.vllm.stats import HandoffStats
 
 # Under "vllm.", so vLLM's own log handler shows these lines with the engine's.
 log = logging.getLogger("vllm.kvd")
@@ -77,7 +76,12 @@ class KvdConnectorError(RuntimeError):
 
 
 class KvdWorker(NixlPullConnectorWorker):
-    """A NIXL pull worker whose received blocks kvd post-processes."""
+    """A NIXL pull worker whose received blocks kvd post-processes.
+
+    On the engine's thread a step costs what it hands off: one non-blocking send per request
+    whose READ finished, one look at the link's deque, and, for each of kvd's answers, one
+    release. Everything that may wait is the link's (``kvd.vllm.link``).
+    """
 
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, engine_id, kv_cache_config)
@@ -95,15 +99,18 @@ class KvdWorker(NixlPullConnectorWorker):
         self.cache_id = _CACHE_ID.sub("-", f"vllm.{engine_id}.{self.tp_rank}")[:CACHE_ID_MAX]
         self.kvd = Client(self.kvd_dir, timeout=float(extra.get("kvd_timeout_s", 2.0)))
         self._attach_timeout_s = float(extra.get("kvd_attach_timeout_s", 120.0))
-        self._events: Subscription | None = None
-        self._specs: list[TensorSpec] = []
+        self._link: KvdLink | None = None
         self._local_format = ""
         self._isa: str | None = None
-        self._remote_formats: dict[str, str] = {}
+        self._remotes: dict[str, tuple[str, int]] = {}
+        """Engine id -> (page format, block size) of each prefill engine, from its handshake."""
+        self._metas: dict[str, Any] = {}
+        """The receive metadata of requests whose READs are under way (vLLM pops its own
+        copy in the step that reports them finished, before kvd is told)."""
         self._holding = Holding()
-        self._down_since: float | None = None
-        self._last_event = time.monotonic()
-        self.stats = _Stats()
+        self._unsent: list[Held] = []
+        self._waits: list[int] = []
+        self.stats = HandoffStats()
         group = extra.get("kvd_shm_group")
         self.allocation = (
             ShmAllocation("kvd-vllm", _group_id(group) if group is not None else None)
@@ -124,15 +131,23 @@ class KvdWorker(NixlPullConnectorWorker):
                 "After=/Requires= on kvd@N.service), or set kv_connector_extra_config "
                 "kvd_runtime_dir / KVD_RUNTIME_DIR"
             ) from exc
-        self._specs = self._tensor_specs(kv_caches)
-        self._attach()
+        specs = self._tensor_specs(kv_caches)
+        attachment = Attachment(self.cache_id, specs, self.engine_id, self._attach_timeout_s)
+        self._link = KvdLink(
+            self.kvd,
+            attachment,
+            down_timeout_s=self.down_timeout_s,
+            stats=self.stats,
+            stats_path=self._stats_path,
+        )
+        self._link.start()
         super().register_kv_caches(kv_caches)
         log.info(
             "kvd post-processes this worker's received blocks: cache %r, %s pages, %d tensors, "
             "kvd at %s",
             self.cache_id,
             self._local_format,
-            len(self._specs),
+            len(specs),
             self.kvd_dir,
         )
 
@@ -197,30 +212,6 @@ class KvdWorker(NixlPullConnectorWorker):
             raise KvdConnectorError("a CPU KV cache outside shared memory")
         return ShmRef(name=self.allocation.name, offset=self.allocation.offset_of(tensor))
 
-    def _attach(self) -> None:
-        # Mapping a large cache takes a while (kvd fills in its page tables): a longer wait.
-        timeout, self.kvd.timeout = self.kvd.timeout, self._attach_timeout_s
-        try:
-            self.kvd.attach(self.cache_id, self._specs, engine_id=self.engine_id)
-        finally:
-            self.kvd.timeout = timeout
-        if self._events is not None:
-            self._events.close()
-        self._events = self.kvd.subscribe([self.cache_id])
-        self._down_since = None
-
-    def _reattach(self) -> bool:
-        """Attach again after a kvd restart; False (and tried again later) if kvd is not
-        back yet."""
-        try:
-            self._attach()
-        except (KvdTimeout, KvdUnavailable, KvdError) as exc:
-            log.warning("kvd: attaching again failed (%s); trying again", exc)
-            if self._down_since is None:
-                self._down_since = time.monotonic()
-            return False
-        return True
-
     def add_remote_agent(self, nixl_agent_meta: Any, *args: Any, **kwargs: Any) -> str:
         """Learn a prefill engine's page format at its handshake; refuse one kvd does not know."""
         try:
@@ -235,8 +226,11 @@ class KvdWorker(NixlPullConnectorWorker):
             raise KvdConnectorError(
                 f"prefill engine {nixl_agent_meta.engine_id!r}: kvd cannot read its pages: {exc}"
             ) from exc
-        self._remote_formats[nixl_agent_meta.engine_id] = fmt
         result: str = super().add_remote_agent(nixl_agent_meta, *args, **kwargs)
+        assert self.transfer_topo is not None  # set once the caches are registered
+        engine_id = nixl_agent_meta.engine_id
+        block_size = self.transfer_topo.get_engine_info(engine_id).remote_block_size
+        self._remotes[engine_id] = (fmt, block_size)
         return result
 
     # -- the post-process, handed to kvd --------------------------------------------------------
@@ -249,64 +243,100 @@ class KvdWorker(NixlPullConnectorWorker):
     def post_process_device_kv_on_receive_heterogeneous_attn(self, block_ids: list[int]) -> None:
         """Not here either: kvd knows the remote format, whatever its attention backend."""
 
+    def start_load_kv(self, metadata: Any) -> None:
+        super().start_load_kv(metadata)
+        recving = self._recving_metadata
+        for req_id in metadata.reqs_to_recv:
+            meta = recving.get(req_id)
+            if meta is not None:
+                self._metas[req_id] = meta
+        if len(self._metas) > len(recving) + 64:
+            # Requests vLLM dropped without reporting them (aborts): forget them too.
+            self._metas = {r: m for r, m in self._metas.items() if r in recving}
+
     def get_transfer_results(self) -> KVConnectorTransferResults:
-        metas = dict(self._recving_metadata)  # vLLM pops them below
         results = super().get_transfer_results()
+        link = self._link
+        assert link is not None  # started in register_kv_caches
+        link.steps += 1
         started = time.perf_counter()
-        arrived = results.finished_recving - results.failed_recving
-        for req_id in arrived:
-            meta = metas.get(req_id)
-            if meta is None or meta.remote is None:
-                continue  # nothing landed for kvd to rewrite
-            results.finished_recving.discard(req_id)
-            self._hand_off(req_id, meta)
-        released = self._answers()
-        results.finished_recving |= released.finished
-        results.failed_recving |= released.failed
-        if arrived or released.finished:
-            self.stats.step(time.perf_counter() - started, len(arrived), released)
-            self._write_stats()
+        handed_off = 0
+        if results.finished_recving:
+            for req_id in list(results.finished_recving):
+                meta = self._metas.pop(req_id, None)
+                if meta is None or meta.remote is None or req_id in results.failed_recving:
+                    continue  # nothing landed for kvd to rewrite
+                results.finished_recving.discard(req_id)
+                self._hand_off(req_id, meta, link, results)
+                handed_off += 1
+        if link.inbox or self._unsent:
+            released = self._take_answers(link)
+            results.finished_recving |= released.finished
+            results.failed_recving |= released.failed
+            if handed_off or released.finished:
+                self.stats.step(
+                    time.perf_counter() - started,
+                    handed_off,
+                    len(released.failed),
+                    released.latencies_s,
+                    self._waits,
+                )
+        elif handed_off:
+            self.stats.step(time.perf_counter() - started, handed_off, 0, [], [])
         return results
 
-    def _hand_off(self, req_id: str, meta: Any) -> None:
+    def _hand_off(
+        self, req_id: str, meta: Any, link: KvdLink, results: KVConnectorTransferResults
+    ) -> None:
         engine_id = meta.remote.engine_id
-        assert self.transfer_topo is not None  # set once the caches are registered
-        remote_block_size = self.transfer_topo.get_engine_info(engine_id).remote_block_size
-        local = [int(b) for b in meta.local_physical_block_ids[0]]
+        remote_format, remote_block_size = self._remotes[engine_id]
+        local = meta.local_physical_block_ids[0]
         ratio = max(1, self.block_size // remote_block_size)
         held = Held(
             req_id=req_id,
-            block_ids=local,
+            block_ids=[int(b) for b in local],
             remote_block_size=remote_block_size,
-            remote_format=self._remote_formats[engine_id],
+            remote_format=remote_format,
             covered_sub_blocks=min(len(local) * ratio, len(meta.remote.block_ids[0])),
             remote_engine_id=engine_id,
         )
+        state = link.state
+        if state is State.GONE:
+            # No kvd to wait for: vLLM recomputes it now.
+            log.warning("kvd is gone: request %s is recomputed", req_id)
+            results.finished_recving.add(req_id)
+            results.failed_recving.add(req_id)
+            return
         self._holding.hold(held)
-        if self._down_since is None:
-            self._send(held)
+        if state is State.UP and not link.send(_read_done(self.cache_id, held)):
+            self._unsent.append(held)
 
-    def _send(self, held: Held) -> None:
-        self.kvd.send_raw(
-            _read_done(self.cache_id, held)  # not read_done(): the cache is attached, skip checks
-        )
-
-    def _answers(self) -> Released:
-        """kvd's events so far; after a restart, attach again and re-send what is held."""
+    def _take_answers(self, link: KvdLink) -> Released:
+        """kvd's answers and the link's notices so far; sends what could not go before."""
         released = Released()
-        try:
-            released.merge(self._holding.answer(list(self._drain_events())))
-        except EventsLost as lost:
-            log.warning(
-                "kvd events lost (%s): re-sending %d held requests", lost, len(self._holding)
-            )
-            if not lost.restarted or self._reattach():
-                for held in self._holding.resend():
-                    self._send(held)
-        except (ReplayError, KvdError, KvdTimeout, KvdUnavailable) as exc:
-            log.warning("kvd: %s", exc)
-        if len(self._holding) and time.monotonic() - self._last_event > 1.0:
-            released.merge(self._check_kvd())
+        events: list[Event] = []
+        self._waits = []
+        inbox = link.inbox
+        while inbox:
+            notice, queued_at = inbox.popleft()
+            if isinstance(notice, Resend):
+                self._unsent = self._holding.resend()
+            elif isinstance(notice, GiveUp):
+                self._unsent = []
+                released.merge(self._holding.answer(events))
+                events = []
+                released.merge(self._holding.give_up())
+            else:
+                events.append(notice)
+                # Steps from the one before kvd's answer reached the link to its release: 1 when
+                # it is released in the first step after it.
+                self._waits.append(link.steps - queued_at)
+        released.merge(self._holding.answer(events))
+        if self._unsent and link.state is State.UP:
+            unsent, self._unsent = self._unsent, []
+            for held in unsent:
+                if held.req_id in self._holding and not link.send(_read_done(self.cache_id, held)):
+                    self._unsent.append(held)
         for req_id in released.failed:
             log.warning(
                 "kvd failed request %s (%s): vLLM recomputes it",
@@ -315,47 +345,12 @@ class KvdWorker(NixlPullConnectorWorker):
             )
         return released
 
-    def _drain_events(self) -> Iterator[Any]:
-        events = self._events
-        if events is None:
-            return
-        while (delivery := events.poll(0)) is not None:
-            self._last_event = time.monotonic()
-            yield delivery.event
-
-    def _check_kvd(self) -> Released:
-        """Requests held while kvd is down (or cannot be attached again) are failed after
-        ``down_timeout_s``; a kvd that is back is attached again and sent what is still held."""
-        now = self._last_event = time.monotonic()
-        if daemon_alive(self.kvd_dir):
-            if self._down_since is None:
-                return Released()
-            log.warning("kvd is back at %s: attaching again", self.kvd_dir)
-            if self._reattach():
-                for held in self._holding.resend():
-                    self._send(held)
-                return Released()
-        elif self._down_since is None:
-            log.error(
-                "kvd is not running at %s; %d requests wait for it",
-                self.kvd_dir,
-                len(self._holding),
-            )
-        if self._down_since is None:
-            self._down_since = now
-        if now - self._down_since < self.down_timeout_s:
-            return Released()
-        return self._holding.give_up()
-
-    def _write_stats(self) -> None:
-        if self._stats_path:
-            Path(self._stats_path).write_text(json.dumps(self.stats.report()))
-
     def shutdown(self) -> None:
         super().shutdown()
-        if self._events is not None:
-            self._events.close()
-        self.kvd.close()
+        if self._link is not None:
+            self._link.close()
+        else:
+            self.kvd.close()
         if self.allocation is not None:
             self.allocation.close()
 
@@ -403,30 +398,3 @@ def _group_id(group: str | int) -> int:
     import grp
 
     return grp.getgrnam(group).gr_gid
-
-
-class _Stats:
-    """What the hand-off costs the engine, and how long kvd takes, for the logs and tests."""
-
-    def __init__(self) -> None:
-        self.steps = 0
-        self.handoff_s: list[float] = []
-        self.ready_latency_s: list[float] = []
-        self.requests = 0
-        self.failed = 0
-
-    def step(self, seconds: float, handed_off: int, released: Released) -> None:
-        self.steps += 1
-        if handed_off:
-            self.handoff_s.append(seconds)
-        self.requests += handed_off
-        self.failed += len(released.failed)
-        self.ready_latency_s += released.latencies_s
-
-    def report(self) -> dict[str, Any]:
-        return {
-            "requests": self.requests,
-            "failed": self.failed,
-            "handoff_s": self.handoff_s[-10000:],
-            "ready_latency_s": self.ready_latency_s[-10000:],
-        }

@@ -1,0 +1,242 @@
+"""The decode worker's link to kvd: a thread of the connector's own for everything that may wait.
+
+The engine's thread (vLLM's step) must never wait on kvd. It sends each ReadDone with one
+non-blocking send on a socket made at startup, and takes kvd's answers from ``inbox``, a deque it
+pops without a lock. Everything else runs here, on the link's thread: the subscription's
+blocking poll, its replays (each a round trip on a socket of its own), the liveness check that
+reads kvd's lock and pid files, attaching again after a kvd restart, and writing the stats
+file. The thread tells the engine's thread what to do through the same deque:
+
+- an ``Event`` (Ready or Failed) of this worker's cache, in kvd's order;
+- ``Resend``: kvd may not know every held request (events lost past its replay buffer, or kvd
+  restarted and the cache is attached again): send them all again; kvd answers from its ledger
+  or journal, and never rewrites a block twice;
+- ``GiveUp``: kvd is gone and stayed gone for the down timeout: fail every held request (a dead
+  kvd writes nothing, and a kvd that starts later is never sent them again).
+
+``state`` says whether a ReadDone may be sent now (``UP``), must wait for kvd (``DOWN``), or is
+failed at once (``GONE``).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from kvd.client import Client, EventsLost, KvdError, KvdTimeout, KvdUnavailable, Subscription
+from kvd.endpoints import daemon_alive
+from kvd.protocol import Event, TensorSpec
+from kvd.subscription import ReplayError
+from kvd.vllm.stats import HandoffStats
+
+log = logging.getLogger("vllm.kvd")
+
+POLL_S = 0.05
+"""The link's longest wait on the subscription: how soon it sees a stop or a due check."""
+CHECK_S = 1.0
+"""Silence after which the link asks whether kvd still runs (file reads, off the engine)."""
+STATS_EVERY_S = 0.1
+"""How often, at most, the stats file is rewritten while requests flow."""
+
+
+class State(enum.Enum):
+    UP = "up"
+    DOWN = "down"
+    GONE = "gone"
+
+
+@dataclass(frozen=True, slots=True)
+class Resend:
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class GiveUp:
+    reason: str
+
+
+Notice = Event | Resend | GiveUp
+
+
+@dataclass(frozen=True, slots=True)
+class Attachment:
+    """What attaching this worker's cache takes, again after every kvd restart."""
+
+    cache_id: str
+    specs: list[TensorSpec]
+    engine_id: str
+    timeout_s: float
+
+
+class KvdLink:
+    """kvd as the engine's thread sees it: ``send``, ``state`` and ``inbox``; see the module."""
+
+    def __init__(
+        self,
+        client: Client,
+        attachment: Attachment,
+        *,
+        down_timeout_s: float,
+        stats: HandoffStats,
+        stats_path: str | None = None,
+    ) -> None:
+        self.client = client
+        self.attachment = attachment
+        self.down_timeout_s = down_timeout_s
+        self.inbox: deque[tuple[Notice, int]] = deque()
+        """Notices, each with the engine's ``steps`` when it was queued."""
+        self.steps = 0
+        """Engine steps so far: the engine's thread counts them, the link stamps notices."""
+        self.state = State.UP
+        self.stats = stats
+        self._stats_path = Path(stats_path) if stats_path else None
+        self._stats_written = -1
+        self._events: Subscription | None = None
+        self._push: zmq.Socket[bytes] | None = None
+        self._down_since = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvd-link", daemon=True)
+
+    # -- the engine's thread ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Attach and subscribe (at startup, on the caller's thread: errors are startup
+        errors), make the engine's ingest socket, then hand the rest to the link's thread."""
+        self._attach()
+        self._push = self.client.ingest_socket(linger_s=0)
+        self._thread.start()
+
+    def send(self, frame: bytes) -> bool:
+        """One non-blocking send; False when it could not go now (the request stays held and
+        goes with the next ``Resend``)."""
+        assert self._push is not None, "start() first"
+        try:
+            self._push.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
+
+    def close(self) -> None:
+        """Stop the link's thread, write the stats a last time, close every socket."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        self._write_stats(force=True)
+        if self._events is not None:
+            self._events.close()
+        self.client.close()
+
+    # -- the link's thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        checked = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                if self.state is State.UP:
+                    if self._listen():
+                        checked = time.monotonic()
+                    elif time.monotonic() - checked >= CHECK_S:
+                        checked = time.monotonic()
+                        self._check_alive()
+                else:
+                    self._stop.wait(POLL_S)
+                    self._recover()
+                self._write_stats()
+            except Exception:
+                # The link must outlive any one failure: held requests depend on it.
+                log.exception("kvd link: unexpected error; going on")
+                self._stop.wait(POLL_S)
+
+    def _listen(self) -> bool:
+        """Wait up to ``POLL_S`` for kvd's next event; True if something came."""
+        assert self._events is not None
+        cache_id = self.attachment.cache_id
+        try:
+            delivery = self._events.poll(POLL_S)
+        except EventsLost as lost:
+            if lost.restarted:
+                self._went_down("kvd restarted")
+                self._recover()
+            else:
+                log.warning("kvd events lost (%s): re-sending what is held", lost)
+                self._post(Resend(str(lost)))
+            return True
+        except (ReplayError, KvdError, KvdTimeout, KvdUnavailable) as exc:
+            log.warning("kvd: %s", exc)
+            self._check_alive()
+            return False
+        if delivery is None:
+            return False
+        # The refusals topic carries other engines' requests too: only this cache's reach the
+        # engine, so the deque holds at most one event per request this worker sent.
+        if delivery.event.cache_id == cache_id:
+            self._post(delivery.event)
+        return True
+
+    def _post(self, notice: Notice) -> None:
+        self.inbox.append((notice, self.steps))
+
+    def _check_alive(self) -> None:
+        assert self.client.runtime_dir is not None
+        if not daemon_alive(self.client.runtime_dir):
+            self._went_down("kvd is not running")
+
+    def _went_down(self, why: str) -> None:
+        if self.state is State.UP:
+            log.error("%s at %s: held requests wait for it", why, self.client.runtime_dir)
+            self.state = State.DOWN
+            self._down_since = time.monotonic()
+
+    def _recover(self) -> None:
+        """Attach again if kvd is back; fail what is held once it has been gone too long."""
+        assert self.client.runtime_dir is not None
+        if daemon_alive(self.client.runtime_dir):
+            try:
+                self._attach()
+            except (KvdTimeout, KvdUnavailable, KvdError, ReplayError) as exc:
+                log.warning("kvd: attaching again failed (%s); trying again", exc)
+            else:
+                log.warning("kvd is back at %s: attached again", self.client.runtime_dir)
+                # Resend before UP: a ReadDone the engine sends once UP is never lost behind it.
+                self._post(Resend("kvd attached again"))
+                self.state = State.UP
+                return
+        if self.state is State.DOWN and time.monotonic() - self._down_since > self.down_timeout_s:
+            log.error(
+                "kvd gone for %gs: failing held requests (vLLM recomputes them)",
+                self.down_timeout_s,
+            )
+            self.state = State.GONE
+            self._post(GiveUp("kvd gone"))
+
+    def _attach(self) -> None:
+        a = self.attachment
+        # Mapping a large cache takes a while (kvd fills in its page tables): a longer wait.
+        timeout, self.client.timeout = self.client.timeout, a.timeout_s
+        try:
+            self.client.attach(a.cache_id, a.specs, engine_id=a.engine_id)
+        finally:
+            self.client.timeout = timeout
+        if self._events is not None:
+            self._events.close()
+        self._events = self.client.subscribe([a.cache_id])
+
+    def _write_stats(self, *, force: bool = False) -> None:
+        version = self.stats.absorb()  # always: the engine's records must not pile up
+        if self._stats_path is None or version == self._stats_written:
+            return
+        if not force and time.monotonic() - self.stats.written_at < STATS_EVERY_S:
+            return
+        report: dict[str, Any] = self.stats.report()
+        self._stats_path.write_text(json.dumps(report))
+        self.stats.written_at = time.monotonic()
+        self._stats_written = version
