@@ -23,6 +23,7 @@ def test_get_finished_splits_into_shared_polling_inline_post_process_and_additio
     figures = connector_figures(
         {
             "whole_s": [0.004, 0.001],
+            "whole_cpu_s": [0.003, 0.001],
             "poll_s": [0.003, 0.0005],
             "inline_s": [0.002, 0.0],
             "landed_to_released_s": [0.0],
@@ -57,10 +58,12 @@ def test_load_figures_time_running_gaps_arrival_ttft_and_forward_steps() -> None
             },
         },
         "step_s": [0.01, 0.0001, 0.04],
+        "step_cpu_s": [0.01, 0.0001, 0.02],
         "step_produced": [True, False, True],
     }
     figures = load_figures(run)
     assert figures["engine_step"]["p50"] == pytest.approx(40.0)  # the idle step left out
+    assert figures["engine_step_cpu"]["p50"] == pytest.approx(20.0)
     assert figures["running_inter_token"]["max"] == pytest.approx(140.0)
     assert figures["ttft"]["p50"] == pytest.approx(80.0)
     assert figures["request_latency"]["arrivals_p50"] == pytest.approx(100.0)  # from the add

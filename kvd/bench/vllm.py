@@ -391,6 +391,7 @@ def run(args: argparse.Namespace) -> int:
                     ("stock", "TimedNixlConnector"),
                     ("kvd", "TimedKvdConnector"),
                 ):
+                    before = os.getloadavg()[0]
                     runs[name] = run_decode(
                         work,
                         model,
@@ -406,6 +407,7 @@ def run(args: argparse.Namespace) -> int:
                         load=load,
                         max_num_seqs=max(8, args.running + args.arrivals),
                     )
+                    runs[name]["load_average"] = [before, os.getloadavg()[0]]
                     bar.update()
             finally:
                 prefill.kill()

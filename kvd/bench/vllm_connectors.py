@@ -7,7 +7,8 @@ measure the same code:
 
 - ``_TimedWhole``, outermost: the worker's whole ``get_transfer_results`` (vLLM 0.32's name for
   the connector's per-step ``get_finished``; the model runner calls it once per engine step,
-  with or without a forward);
+  with or without a forward), in wall time and in the engine thread's CPU time (on a shared
+  machine wall time includes waiting for a core; CPU time does not);
 - ``_TimedPoll``, just above vLLM's ``NixlPullConnectorWorker``: vLLM's own
   ``get_transfer_results``, the NIXL polling both connectors share, and inside it the inline
   post-process (stock runs it; ``KvdWorker`` overrides it with nothing).
@@ -53,6 +54,7 @@ class StepTimings:
 
     def __init__(self) -> None:
         self.whole_s: deque[float] = deque(maxlen=MAX_STEPS)
+        self.whole_cpu_s: deque[float] = deque(maxlen=MAX_STEPS)
         self.poll_s: deque[float] = deque(maxlen=MAX_STEPS)
         self.inline_s: deque[float] = deque(maxlen=MAX_STEPS)
         self.landed_to_released_s: list[float] = []
@@ -60,9 +62,15 @@ class StepTimings:
         self.landed_at: dict[str, float] = {}
 
     def step(
-        self, whole_s: float, poll_s: float, inline_s: float, results: KVConnectorTransferResults
+        self,
+        whole_s: float,
+        whole_cpu_s: float,
+        poll_s: float,
+        inline_s: float,
+        results: KVConnectorTransferResults,
     ) -> None:
         self.whole_s.append(whole_s)
+        self.whole_cpu_s.append(whole_cpu_s)
         self.poll_s.append(poll_s)
         self.inline_s.append(inline_s)
         now = time.perf_counter()
@@ -78,6 +86,7 @@ class StepTimings:
         still held stay held)."""
         taken = {
             "whole_s": list(self.whole_s),
+            "whole_cpu_s": list(self.whole_cpu_s),
             "poll_s": list(self.poll_s),
             "inline_s": list(self.inline_s),
             "landed_to_released_s": self.landed_to_released_s,
@@ -85,6 +94,7 @@ class StepTimings:
             "held": len(self.landed_at),
         }
         self.whole_s.clear()
+        self.whole_cpu_s.clear()
         self.poll_s.clear()
         self.inline_s.clear()
         self.landed_to_released_s = []
@@ -128,10 +138,10 @@ class _TimedWhole(NixlPullConnectorWorker):
         self._inline_s = self._last_poll_s = 0.0
 
     def get_transfer_results(self) -> KVConnectorTransferResults:
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.thread_time()
         results = super().get_transfer_results()
-        whole_s = time.perf_counter() - started
-        self.timings.step(whole_s, self._last_poll_s, self._inline_s, results)
+        whole_s, whole_cpu_s = time.perf_counter() - started, time.thread_time() - cpu_started
+        self.timings.step(whole_s, whole_cpu_s, self._last_poll_s, self._inline_s, results)
         return results
 
 

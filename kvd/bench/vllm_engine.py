@@ -276,7 +276,8 @@ def _under_load(llm: Any, server: _PrefillServer, load: dict[str, Any]) -> dict[
     ``step`` spreading the arrivals over the first half of their decode, so every arrival's KV
     lands during it whatever the prefill instance's speed. Times are seconds from the start of
     the run: per request when it was added here and when each of its tokens came out of a step;
-    per step its duration and whether it produced a token (ran a forward for some request).
+    per step its duration, the CPU time this process spent in it (all its threads) and whether
+    it produced a token (ran a forward for some request).
     """
     from vllm import TokensPrompt
 
@@ -301,16 +302,18 @@ def _under_load(llm: Any, server: _PrefillServer, load: dict[str, Any]) -> dict[
     waiting = list(enumerate(zip(load["arrivals"], arrival_params, strict=True)))
     spacing = max(1, load["running_tokens"] // 2 // max(1, len(waiting)))
     step_s: list[float] = []
+    step_cpu_s: list[float] = []
     step_produced: list[bool] = []
     while waiting or engine.has_unfinished_requests():
         decoded = min(len(r["token_at"]) for r in running)
         while waiting and decoded >= 1 + waiting[0][0] * spacing:
             i, (tokens, params) = waiting.pop(0)
             add(f"arrival-{i}", tokens, params, load["arrival_tokens"])
-        step_started = time.perf_counter()
+        step_started, cpu_started = time.perf_counter(), time.process_time()
         outputs = engine.step()
         stepped = time.perf_counter()
         step_s.append(stepped - step_started)
+        step_cpu_s.append(time.process_time() - cpu_started)
         produced = False
         for output in outputs:
             record = by_engine_id[output.request_id]
@@ -321,7 +324,12 @@ def _under_load(llm: Any, server: _PrefillServer, load: dict[str, Any]) -> dict[
             if output.finished:
                 record["token_ids"] = list(output.outputs[0].token_ids)
         step_produced.append(produced)
-    return {"requests": requests, "step_s": step_s, "step_produced": step_produced}
+    return {
+        "requests": requests,
+        "step_s": step_s,
+        "step_cpu_s": step_cpu_s,
+        "step_produced": step_produced,
+    }
 
 
 def main() -> None:

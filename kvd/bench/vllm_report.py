@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -43,6 +44,8 @@ def connector_figures(timings: dict[str, Any]) -> dict[str, Any]:
         "steps": len(whole),
         "get_finished": _spread(whole),
         "get_finished_sum": 1000 * sum(whole),
+        "get_finished_cpu": _spread(timings["whole_cpu_s"]),
+        "get_finished_cpu_sum": 1000 * sum(timings["whole_cpu_s"]),
         "shared_polling_sum": 1000 * (sum(poll) - sum(inline)),
         "inline_post_process": _spread([s for s in inline if s > 0]),
         "inline_post_process_sum": 1000 * sum(inline),
@@ -67,7 +70,9 @@ def load_figures(run: dict[str, Any]) -> dict[str, Any]:
     requests = run["requests"].values()
     running = [r for r in requests if r["kind"] == "running"]
     arrivals = [r for r in requests if r["kind"] == "arrival"]
-    steps = [s for s, produced in zip(run["step_s"], run["step_produced"], strict=True) if produced]
+    forward = run["step_produced"]
+    steps = [s for s, produced in zip(run["step_s"], forward, strict=True) if produced]
+    steps_cpu = [s for s, produced in zip(run["step_cpu_s"], forward, strict=True) if produced]
     gaps = [b - a for r in running for a, b in itertools.pairwise(r["token_at"])]
     running_done = max((r["token_at"][-1] for r in running if r["token_at"]), default=0.0)
 
@@ -76,6 +81,7 @@ def load_figures(run: dict[str, Any]) -> dict[str, Any]:
 
     return {
         "engine_step": _spread(steps),
+        "engine_step_cpu": _spread(steps_cpu),
         "running_inter_token": _spread(gaps),
         "ttft": _spread([r["token_at"][0] - r["added_at"] for r in arrivals if r["token_at"]]),
         "request_latency": {"arrivals_p50": latency(arrivals), "running_p50": latency(running)},
@@ -155,7 +161,11 @@ def mode_report(
     for name in CONNECTORS:
         run = runs[name]
         of_mode = load_figures(run[mode]) if mode == "load" else sequential_figures(run[mode])
-        figures[name] = {**of_mode, "connector": connector_figures(run[mode + "_connector"])}
+        figures[name] = {
+            **of_mode,
+            "connector": connector_figures(run[mode + "_connector"]),
+            "load_average": run.get("load_average"),
+        }
     return {
         "figures": figures,
         "targets": [{**asdict(t), "met": t.met} for t in targets(figures["stock"], figures["kvd"])],
@@ -186,6 +196,10 @@ def mode_table(mode: str, report: dict[str, Any]) -> list[str]:
         rows += [
             _row("engine step p50 (steps with a forward)", *_pair(s, k, "engine_step", "p50")),
             _row("engine step p99", *_pair(s, k, "engine_step", "p99")),
+            _row(
+                "  its CPU time p50 (the engine's process)", *_pair(s, k, "engine_step_cpu", "p50")
+            ),
+            _row("  its CPU time p99", *_pair(s, k, "engine_step_cpu", "p99")),
             _row("inter-token p99, running requests", *_pair(s, k, "running_inter_token", "p99")),
             _row("TTFT p50, arrivals", *_pair(s, k, "ttft", "p50")),
             _row("TTFT p99, arrivals", *_pair(s, k, "ttft", "p99")),
@@ -201,7 +215,9 @@ def mode_table(mode: str, report: dict[str, Any]) -> list[str]:
         _row("get_finished per step p50", *_pair(sc, kc, "get_finished", "p50"), 3),
         _row("get_finished per step p99", *_pair(sc, kc, "get_finished", "p99"), 3),
         _row("get_finished worst step", *_pair(sc, kc, "get_finished", "max"), 3),
+        _row("get_finished CPU time, worst step", *_pair(sc, kc, "get_finished_cpu", "max"), 3),
         _row("get_finished, summed over the run", sc["get_finished_sum"], kc["get_finished_sum"]),
+        _row("  its CPU time, summed", sc["get_finished_cpu_sum"], kc["get_finished_cpu_sum"]),
         _row("  NIXL polling (both), summed", sc["shared_polling_sum"], kc["shared_polling_sum"]),
         _row(
             "  inline post-process, summed",
@@ -223,6 +239,12 @@ def mode_table(mode: str, report: dict[str, Any]) -> list[str]:
         lines.append(
             f"arrivals whose first token came while the running requests decoded (stock / kvd): "
             f"{s['arrivals_while_running']} / {k['arrivals_while_running']} of {s['arrivals']}"
+        )
+    if s["load_average"] and k["load_average"]:
+        lines.append(
+            "1-minute load average before / after each decode instance: stock "
+            f"{s['load_average'][0]:.1f} / {s['load_average'][1]:.1f}, kvd "
+            f"{k['load_average'][0]:.1f} / {k['load_average'][1]:.1f} ({os.cpu_count()} cores)"
         )
     equal = report["tokens_equal_to_baseline"]
     lines.append(
