@@ -549,19 +549,16 @@ def _add_bench(commands: Any) -> None:
     kernels.add_argument("--repeat", type=int, default=7, help="interleaved repetitions")
     add_progress_flag(kernels)
     kernels.set_defaults(run=_bench_kernels)
+    from kvd.bench.vllm import HELP as VLLM_HELP
     from kvd.bench.vllm import add_arguments as add_vllm_arguments
 
     vllm = _command(
         which,
         "vllm",
-        help="a real vLLM prefill/decode pair on CPU, with kvd and with vLLM's own post-process",
-        description=(
-            "Starts kvd serve, a vLLM prefill instance and, in turn, two decode instances (vLLM's "
-            "own NIXL connector, timing its inline post-process, and KvdConnector) and decodes "
-            "the same requests one at a time with each: per-step post-process time, read-done "
-            "to Ready latency and end-to-end request latency, with ratios. Needs vLLM "
-            "(pip install -e '.[vllm]'); takes a few minutes."
-        ),
+        help="a real vLLM prefill/decode pair on CPU, stock vLLM and kvd side by side, "
+        "one request at a time and under load",
+        description=VLLM_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_vllm_arguments(vllm)
     vllm.set_defaults(run=_bench_vllm)

@@ -1,8 +1,15 @@
-"""The vLLM bench's own plumbing, without vLLM: the ports it gives vLLM's instances."""
+"""The vLLM bench's own plumbing, without vLLM: the ports it gives vLLM's instances, its
+options, and how recorded times become figures and targets."""
 
 from __future__ import annotations
 
-from kvd.bench.vllm import ephemeral_ports, free_port
+import argparse
+from typing import Any
+
+import pytest
+
+from kvd.bench.vllm import add_arguments, check_arguments, ephemeral_ports, free_port
+from kvd.bench.vllm_report import connector_figures, load_figures, targets
 
 
 def test_side_channel_ports_are_never_ones_the_kernel_gives_to_connections() -> None:
@@ -10,3 +17,92 @@ def test_side_channel_ports_are_never_ones_the_kernel_gives_to_connections() -> 
     ports = [free_port() for _ in range(50)]
     assert not [p for p in ports if p in ephemeral], ephemeral
     assert len(set(ports)) == len(ports), "a port was handed out twice"
+
+
+def test_get_finished_splits_into_shared_polling_inline_post_process_and_additions() -> None:
+    figures = connector_figures(
+        {
+            "whole_s": [0.004, 0.001],
+            "whole_cpu_s": [0.003, 0.001],
+            "poll_s": [0.003, 0.0005],
+            "inline_s": [0.002, 0.0],
+            "landed_to_released_s": [0.0],
+            "failed": 0,
+        }
+    )
+    assert figures["get_finished_sum"] == pytest.approx(5.0)
+    assert figures["shared_polling_sum"] == pytest.approx(1.5)
+    assert figures["inline_post_process_sum"] == pytest.approx(2.0)
+    assert figures["additions_sum"] == pytest.approx(1.5)
+    assert figures["inline_post_process"]["p50"] == pytest.approx(2.0)  # steps that ran it
+    assert figures["get_finished"]["max"] == pytest.approx(4.0)
+
+
+def test_load_figures_time_running_gaps_arrival_ttft_and_forward_steps() -> None:
+    run = {
+        "requests": {
+            "running-0": {
+                "kind": "running",
+                "added_at": 0.1,
+                "token_at": [0.2, 0.21, 0.35],
+            },
+            "arrival-0": {
+                "kind": "arrival",
+                "added_at": 0.22,
+                "token_at": [0.3, 0.31],
+            },
+            "arrival-1": {
+                "kind": "arrival",
+                "added_at": 0.4,
+                "token_at": [0.45, 0.5],
+            },
+        },
+        "step_s": [0.01, 0.0001, 0.04],
+        "step_cpu_s": [0.01, 0.0001, 0.02],
+        "step_produced": [True, False, True],
+    }
+    figures = load_figures(run)
+    assert figures["engine_step"]["p50"] == pytest.approx(40.0)  # the idle step left out
+    assert figures["engine_step_cpu"]["p50"] == pytest.approx(20.0)
+    assert figures["running_inter_token"]["max"] == pytest.approx(140.0)
+    assert figures["ttft"]["p50"] == pytest.approx(80.0)
+    assert figures["request_latency"]["arrivals_p50"] == pytest.approx(100.0)  # from the add
+    assert figures["arrivals_while_running"] == 1
+
+
+def test_targets_are_met_or_missed_as_issue_19_states_them() -> None:
+    def side(
+        additions: float, inline: float, whole: float, worst: float, itl: float
+    ) -> dict[str, Any]:
+        connector = {
+            "additions_sum": additions,
+            "inline_post_process_sum": inline,
+            "get_finished_sum": whole,
+            "get_finished": {"max": worst},
+        }
+        return {
+            "connector": connector,
+            "request_latency": {"arrivals_p50": 100.0},
+            "running_inter_token": {"p99": itl},
+        }
+
+    stock = side(additions=0.0, inline=10.0, whole=20.0, worst=5.0, itl=30.0)
+    met = {t.name.split(" <")[0]: t.met for t in targets(stock, side(1.0, 0, 10.0, 5.0, 29.0))}
+    assert all(met.values()), met
+    missed = targets(stock, side(1.1, 0, 10.1, 5.1, 30.0))
+    assert [t.met for t in missed] == [False, False, False, True, False]
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "reason"),
+    [
+        ("running", 0, "--running: 0 is not a positive integer"),
+        ("arrival_prompt_tokens", 1010, "--arrival-prompt-tokens 1010 + --arrival-tokens 16"),
+    ],
+)
+def test_bad_sizes_are_refused_naming_the_option(option: str, value: int, reason: str) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args([f"--{option.replace('_', '-')}", str(value)])
+    problem = check_arguments(args)
+    assert problem is not None and problem.startswith(reason), problem

@@ -21,7 +21,6 @@ import os
 import random
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,11 +29,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from kvd.bench.vllm_engine import STARTUP_S
+from kvd.bench.vllm_report import mode_report, mode_table
 from kvd.daemon_process import DaemonProcess
 from kvd.progress import progress_bar
-from kvd.tables import format_table
 
-STARTUP_S = 600
 KVD_CORE = 0
 """Three processes share two cores here: kvd gets core 0 with the prefill, which sleeps while
 the decode instance runs (requests go one at a time), the decode instance core 1."""
@@ -104,6 +103,8 @@ class Engine:
             # Idle OpenMP threads sleep instead of spinning on the core kvd shares.
             "OMP_WAIT_POLICY": "PASSIVE",
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+            # A forward that compiles a kernel on a busy machine may take minutes.
+            "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(STARTUP_S),
         }
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
@@ -206,16 +207,136 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
+        "--mode",
+        choices=("sequential", "load", "both"),
+        default="both",
+        help="sequential: requests one at a time; load: transfers land while other requests "
+        "decode; both (default), in the same decode instances",
+    )
+    parser.add_argument(
         "--prefill-block-size", type=int, default=32, help="tokens per prefill block (32)"
     )
     parser.add_argument(
         "--decode-block-size", type=int, default=128, help="tokens per decode block (128)"
     )
-    parser.add_argument("--requests", type=int, default=12, help="requests per run (12)")
     parser.add_argument(
-        "--prompt-tokens", type=int, default=300, help="prompt length of each request (300)"
+        "--requests", type=int, default=12, help="sequential: requests, one at a time (12)"
     )
-    parser.add_argument("--max-tokens", type=int, default=16, help="tokens decoded (16)")
+    parser.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=300,
+        help="prompt length of the sequential and the running requests (300)",
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, default=16, help="sequential: tokens each decodes (16)"
+    )
+    parser.add_argument(
+        "--running", type=int, default=8, help="load: requests decoding from the start (8)"
+    )
+    parser.add_argument(
+        "--running-tokens", type=int, default=64, help="load: tokens each running one decodes (64)"
+    )
+    parser.add_argument(
+        "--arrivals",
+        type=int,
+        default=8,
+        help="load: requests added one at a time while the running ones decode (8)",
+    )
+    parser.add_argument(
+        "--arrival-prompt-tokens",
+        type=int,
+        default=900,
+        help="load: prompt length of the arrivals (900)",
+    )
+    parser.add_argument(
+        "--arrival-tokens", type=int, default=16, help="load: tokens each arrival decodes (16)"
+    )
+
+
+HELP = """\
+Starts kvd serve, one vLLM prefill instance and, in turn, two decode instances of the same
+block size: stock vLLM (its NIXL connector, post-processing inline; on CPU its block merge is
+wrong, so its figures are its cost, not its result) and KvdConnector. Each decode instance runs
+the same requests, in one or both modes:
+
+  sequential  requests one at a time; request latency is prefill to last token.
+  load        --running requests decode --running-tokens each while --arrivals more, of
+              --arrival-prompt-tokens, join: all are prefilled first, then the arrivals are
+              added to the decode instance one at a time over the first half of the running
+              requests' decode, and NIXL pulls their KV while those decode.
+              Engine step: one LLMEngine.step() that ran a forward. Inter-token: gaps between a
+              running request's tokens. TTFT: from an arrival's add to the decode instance to
+              its first token (the NIXL READ, the post-process (inline, or through kvd), the
+              step that picks it up, the first forward; not the prefill). Request latency: from
+              the add to the last token.
+
+Both connectors are timed identically, per engine step, by kvd.bench.vllm_connectors:
+get_finished is the whole get_transfer_results vLLM calls each step; inside it, vLLM's NIXL
+polling (both share it) and stock's inline post-process; a connector's additions are its
+get_finished less the polling (kvd: its hand-offs and its drain of kvd's events). Landed ->
+released: from vLLM's polling seeing a READ done to the request going back to the scheduler.
+
+Targets (issue 19), judged per mode: kvd's additions <= 0.1x stock's inline post-process and
+kvd's get_finished <= 0.5x stock's, both summed over the run; kvd's worst get_finished step no
+worse than stock's; request latency p50 <= 1.05x stock's (under load: the arrivals'); under load,
+inter-token p99 of the running requests lower with kvd. kvd's tokens must equal the single
+instance's (exit 1 if not); stock's are reported. Takes a few minutes and about 6 GB.
+"""
+
+
+SIZES = (
+    "prefill_block_size",
+    "decode_block_size",
+    "requests",
+    "prompt_tokens",
+    "max_tokens",
+    "running",
+    "running_tokens",
+    "arrivals",
+    "arrival_prompt_tokens",
+    "arrival_tokens",
+)
+"""The options that size a run: positive integers, in the report's ``config``."""
+
+
+def check_arguments(args: argparse.Namespace) -> str | None:
+    """Why ``args`` cannot run, naming the option; None when they can."""
+    from kvd.bench.vllm_engine import MAX_MODEL_LEN
+
+    for name in SIZES:
+        if getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')}: {getattr(args, name)} is not a positive integer"
+    if args.prompt_tokens < args.requests:
+        return f"--prompt-tokens: {args.prompt_tokens} is below --requests {args.requests}"
+    for prompt, tokens in (
+        ("prompt_tokens", "max_tokens"),
+        ("prompt_tokens", "running_tokens"),
+        ("arrival_prompt_tokens", "arrival_tokens"),
+    ):
+        if getattr(args, prompt) + getattr(args, tokens) > MAX_MODEL_LEN:
+            return (
+                f"--{prompt.replace('_', '-')} {getattr(args, prompt)} + "
+                f"--{tokens.replace('_', '-')} {getattr(args, tokens)} exceeds the model "
+                f"length {MAX_MODEL_LEN}"
+            )
+    if args.arrival_prompt_tokens < args.arrivals:
+        return f"--arrival-prompt-tokens: {args.arrival_prompt_tokens} is below --arrivals"
+    return None
+
+
+def load_requests(args: argparse.Namespace) -> dict[str, Any]:
+    """The load run's prompts and lengths, as a decode instance's ``load`` config takes them."""
+    from kvd.bench.vllm_engine import prompts
+
+    return {
+        "running": prompts(tuple(args.prompt_tokens - i for i in range(args.running)), seed=1),
+        "running_tokens": args.running_tokens,
+        "arrivals": prompts(
+            tuple(args.arrival_prompt_tokens - i for i in range(args.arrivals)), seed=2
+        ),
+        "arrival_tokens": args.arrival_tokens,
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -227,13 +348,19 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    from kvd.bench.vllm_engine import make_model
+    from kvd.bench.vllm_engine import make_model, prompts
 
+    problem = check_arguments(args)
+    if problem is not None:
+        print(f"kvd bench vllm: {problem}", file=sys.stderr)
+        return 2
+    modes = ["sequential", "load"] if args.mode == "both" else [args.mode]
     lengths = [args.prompt_tokens - i for i in range(args.requests)]
+    load = load_requests(args)
     quiet = args.json or args.no_progress
     with (
         tempfile.TemporaryDirectory(prefix="kvd-bench-vllm-") as tmp,
-        progress_bar(4, "kvd bench vllm", unit="step", quiet=quiet) as bar,
+        progress_bar(5, "kvd bench vllm", unit="step", quiet=quiet) as bar,
     ):
         work = Path(tmp)
         model = make_model(work / "model")
@@ -242,113 +369,100 @@ def run(args: argparse.Namespace) -> int:
             try:
                 prefill.wait_ready()
                 bar.update()
+                baseline = {
+                    "sequential": prefill.call(
+                        {
+                            "op": "baseline",
+                            "prompts": prompts(tuple(lengths)),
+                            "max_tokens": args.max_tokens,
+                        }
+                    ),
+                    "load": prefill.call(
+                        {
+                            "op": "baseline",
+                            "prompts": [*load["running"], *load["arrivals"]],
+                            "max_tokens": max(args.running_tokens, args.arrival_tokens),
+                        }
+                    ),
+                }
+                bar.update()
                 runs = {}
-                for name, connector, module in (
-                    ("stock", "TimedNixlConnector", "kvd.bench.vllm_engine"),
-                    ("kvd", "KvdConnector", "kvd.vllm"),
+                for name, connector in (
+                    ("stock", "TimedNixlConnector"),
+                    ("kvd", "TimedKvdConnector"),
                 ):
-                    stats = work / f"stats-{name}.json"
-                    extra = {"kvd_stats_path": str(stats), "kvd_runtime_dir": str(kvd.runtime_dir)}
-                    result = run_decode(
+                    before = os.getloadavg()[0]
+                    runs[name] = run_decode(
                         work,
                         model,
                         prefill,
                         args.decode_block_size,
                         connector=connector,
-                        module=module,
-                        extra=extra,
-                        mode="sequential",
+                        module="kvd.bench.vllm_connectors",
+                        extra={"kvd_runtime_dir": str(kvd.runtime_dir)},
+                        modes=modes,
+                        timed=True,
                         max_tokens=args.max_tokens,
                         prompt_lengths=lengths,
+                        load=load,
+                        max_num_seqs=max(8, args.running + args.arrivals),
                     )
-                    result["stats"] = json.loads(stats.read_text())
-                    runs[name] = result
+                    runs[name]["load_average"] = [before, os.getloadavg()[0]]
                     bar.update()
             finally:
                 prefill.kill()
-        report = _report(args, runs)
+        report = {
+            "config": {"mode": args.mode, **{name: getattr(args, name) for name in SIZES}},
+            **{
+                mode: mode_report(mode, runs, equal_to_baseline(mode, runs, baseline[mode]))
+                for mode in modes
+            },
+        }
         bar.update()
-    print(json.dumps(report, indent=2) if args.json else _table(report))
-    return 0
+    print(json.dumps(report, indent=2) if args.json else table(report, modes))
+    mismatched = any(
+        report[mode]["tokens_equal_to_baseline"]["kvd"] < report[mode]["requests"] for mode in modes
+    )
+    if mismatched:
+        print("kvd bench vllm: kvd decoded other tokens than the single instance", file=sys.stderr)
+    return 1 if mismatched else 0
 
 
-def _ms(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    return 1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+def equal_to_baseline(
+    mode: str, runs: dict[str, dict[str, Any]], baseline: list[dict[str, Any]]
+) -> dict[str, list[bool]]:
+    """Per connector, per request: its tokens are the single instance's (greedy, so a shorter
+    decode is a prefix of a longer one)."""
+    equal = {}
+    for name, result in runs.items():
+        if mode == "load":
+            requests = result["load"]["requests"]
+            running = sum(r["kind"] == "running" for r in requests.values())
+            names = [f"running-{i}" for i in range(running)]
+            names += [f"arrival-{i}" for i in range(len(requests) - running)]
+            decoded = [requests[n].get("token_ids", []) for n in names]
+        else:
+            decoded = [d["token_ids"] for d in result["sequential"]["decode"]]
+        equal[name] = [
+            bool(got) and got == want["token_ids"][: len(got)]
+            for got, want in zip(decoded, baseline, strict=True)
+        ]
+    return equal
 
 
-def _report(args: argparse.Namespace, runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    stock, kvd = runs["stock"], runs["kvd"]
-    stock_step = stock["stats"]["post_process_s"]
-    kvd_step = kvd["stats"]["handoff_s"]
-    e2e = {name: r["request_latency_s"] for name, r in runs.items()}
-    same = [
-        a["token_ids"] == b["token_ids"]
-        for a, b in zip(stock["decode"], kvd["decode"], strict=True)
-    ]
-    return {
-        "prefill_block_size": args.prefill_block_size,
-        "decode_block_size": args.decode_block_size,
-        "requests": args.requests,
-        "prompt_tokens": args.prompt_tokens,
-        "post_process_per_step_ms": {
-            "stock_inline": {"p50": _ms(stock_step, 0.5), "p99": _ms(stock_step, 0.99)},
-            "kvd_handoff": {"p50": _ms(kvd_step, 0.5), "p99": _ms(kvd_step, 0.99)},
-        },
-        "read_done_to_ready_ms": {
-            "p50": _ms(kvd["stats"]["ready_latency_s"], 0.5),
-            "p99": _ms(kvd["stats"]["ready_latency_s"], 0.99),
-        },
-        "request_latency_ms": {
-            name: {"p50": _ms(v, 0.5), "mean": 1000 * statistics.fmean(v)}
-            for name, v in e2e.items()
-        },
-        "ratios": {
-            "handoff_over_inline_p50": _ms(kvd_step, 0.5) / _ms(stock_step, 0.5),
-            "request_latency_kvd_over_stock_p50": _ms(e2e["kvd"], 0.5) / _ms(e2e["stock"], 0.5),
-        },
-        "tokens_equal_to_stock": sum(same),
-        "kvd_failed": kvd["stats"]["failed"],
+def table(report: dict[str, Any], modes: list[str]) -> str:
+    config = report["config"]
+    titles = {
+        "sequential": f"{config['requests']} requests of about {config['prompt_tokens']} "
+        f"tokens, one at a time, {config['max_tokens']} tokens each",
+        "load": f"{config['running']} requests decoding {config['running_tokens']} tokens "
+        f"while {config['arrivals']} of about {config['arrival_prompt_tokens']} tokens arrive "
+        f"and decode {config['arrival_tokens']}",
     }
-
-
-def _table(report: dict[str, Any]) -> str:
-    step, e2e = report["post_process_per_step_ms"], report["request_latency_ms"]
-    ready, ratios = report["read_done_to_ready_ms"], report["ratios"]
-    rows = [
-        ("figure", "stock vLLM", "with kvd", "kvd/stock"),
-        (
-            "post-process per step p50 (ms)",
-            f"{step['stock_inline']['p50']:.3f}",
-            f"{step['kvd_handoff']['p50']:.3f}",
-            f"{ratios['handoff_over_inline_p50']:.2f}x",
-        ),
-        (
-            "post-process per step p99 (ms)",
-            f"{step['stock_inline']['p99']:.3f}",
-            f"{step['kvd_handoff']['p99']:.3f}",
-            "",
-        ),
-        ("read-done -> Ready p50 / p99 (ms)", "-", f"{ready['p50']:.2f} / {ready['p99']:.2f}", ""),
-        (
-            "request latency p50 (ms)",
-            f"{e2e['stock']['p50']:.1f}",
-            f"{e2e['kvd']['p50']:.1f}",
-            f"{ratios['request_latency_kvd_over_stock_p50']:.2f}x",
-        ),
-    ]
     lines = [
-        f"kvd bench vllm: prefill {report['prefill_block_size']} -> decode "
-        f"{report['decode_block_size']} tokens per block, {report['requests']} requests of "
-        f"about {report['prompt_tokens']} tokens, one at a time",
-        "",
-        *format_table(rows, right=(1, 2, 3)),
-        "",
-        "stock: vLLM's own inline post-process (wrong on CPU: timed, not trusted); kvd: the "
-        "hand-off to kvd alone",
-        f"requests whose tokens equal stock vLLM's: {report['tokens_equal_to_stock']} of "
-        f"{report['requests']} (stock decodes wrong tokens on CPU)",
+        f"kvd bench vllm: prefill {config['prefill_block_size']} -> decode "
+        f"{config['decode_block_size']} tokens per block"
     ]
+    for mode in modes:
+        lines += ["", f"{mode}: {titles[mode]}", *mode_table(mode, report[mode])]
     return "\n".join(lines)

@@ -7,17 +7,16 @@ importable: ``pip install -e '.[vllm]'``).
   (plain greedy generation, the single-instance reference: a request without
   kv_transfer_params is an ordinary one) and ``prefill`` (max_tokens=1 with do_remote_decode,
   answered with the kv_transfer_params a decode instance needs).
-- ``decode``: a kv_consumer ``LLM`` that asks a prefill server for the transfer params of the
-  prompts and decodes them, all at once (``batch``, plus a control request: other prompt
-  tokens, the same last token, the first prompt's transferred KV) or one after the other
-  (``sequential``, timing each request from prefill to last token), and writes tokens, logprobs
-  and timings as JSON.
+- ``decode``: a kv_consumer ``LLM`` (its engine core in the same process) that asks a prefill
+  server for the transfer params of its prompts and runs, in the order ``modes`` names them:
+  ``batch`` (the prompts at once, plus a control request: other prompt tokens, the same last
+  token, the first prompt's transferred KV), ``sequential`` (one after the other, each timed
+  from prefill to last token) and ``load`` (running requests decode while others' KV lands,
+  each step and each token timed); with ``timed``, the connector's figures for each run
+  (``kvd.bench.vllm_connectors``). It writes tokens, logprobs and timings as JSON.
 
 The model is a tiny Llama built from a fixed seed (``make_model``): with random weights a wrong
 KV block changes the first decoded token, which vLLM's dummy weights (all alike) would hide.
-
-``TimedNixlConnector`` is vLLM's own NIXL connector timing its inline post-process (for the
-benchmark's "without kvd" figures).
 """
 
 from __future__ import annotations
@@ -33,6 +32,9 @@ from typing import Any
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 256, 512, 2, 4, 2, 64, 4096
 PROMPT_LENGTHS = (40, 100, 300)
+STARTUP_S = 600
+MAX_MODEL_LEN = 1024
+"""The longest wait for an instance to start or a prefill to come back."""
 
 
 def make_model(directory: Path, seed: int = 0) -> Path:
@@ -118,8 +120,8 @@ def make_llm(config: dict[str, Any]) -> Any:
         load_format="safetensors",
         dtype=config.get("dtype", "float32"),
         block_size=config["block_size"],
-        max_model_len=1024,
-        max_num_seqs=8,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=config.get("max_num_seqs", 8),
         max_num_batched_tokens=1024,
         enforce_eager=True,
         compilation_config={"mode": 0},
@@ -129,7 +131,11 @@ def make_llm(config: dict[str, Any]) -> Any:
     )
 
 
-def sampling(max_tokens: int, transfer: dict[str, Any] | None = None) -> Any:
+def sampling(
+    max_tokens: int, transfer: dict[str, Any] | None = None, logprobs: int | None = 1
+) -> Any:
+    """Greedy; ``logprobs=None`` spares vLLM's logprob ranking, which torch.compiles a kernel
+    at the first batch of each new shape (minutes on a busy machine, inside a step)."""
     from vllm import SamplingParams
 
     extra = {"kv_transfer_params": transfer} if transfer is not None else None
@@ -137,7 +143,7 @@ def sampling(max_tokens: int, transfer: dict[str, Any] | None = None) -> Any:
         temperature=0.0,
         max_tokens=max_tokens,
         ignore_eos=True,
-        logprobs=1,
+        logprobs=logprobs,
         detokenize=False,
         extra_args=extra,
     )
@@ -202,103 +208,128 @@ class _PrefillServer:
 
 
 def decode(config: dict[str, Any]) -> None:
-    from vllm import TokensPrompt
-
+    """The runs ``config["modes"]`` names, in order, in one decode instance."""
+    # The engine core in this process: one LLMEngine.step() is one engine step (schedule,
+    # forward, the connector's get_finished), timed from here, and the connector's figures are
+    # one collective_rpc away.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     llm = make_llm(config)
     server = _PrefillServer(config["prefill"])
-    base = prompts(tuple(config.get("prompt_lengths", PROMPT_LENGTHS)))
-    max_tokens = config["max_tokens"]
     result: dict[str, Any] = {"startup_s": time.monotonic() - config["launched"]}
-    if config.get("mode", "batch") == "batch":
-        transfers = server.transfer_params([*base, base[1]])
-        requests = [*base, control_prompt(base[1])]
-        outputs = llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in requests],
-            [sampling(max_tokens, dict(t)) for t in transfers],
-            use_tqdm=False,
-        )
-        result["decode"] = [summary(o) for o in outputs]
-    else:
-        latencies = []
-        outputs = []
-        for tokens in base:
-            started = time.perf_counter()
-            (params,) = server.transfer_params([tokens])
-            (output,) = llm.generate(
-                [TokensPrompt(prompt_token_ids=tokens)],
-                [sampling(max_tokens, params)],
-                use_tqdm=False,
-            )
-            latencies.append(time.perf_counter() - started)
-            outputs.append(output)
-        result["decode"] = [summary(o) for o in outputs]
-        result["request_latency_s"] = latencies
+    for mode in config.get("modes", ["batch"]):
+        if mode == "batch":
+            result["decode"] = _batch(llm, server, config)
+        elif mode == "sequential":
+            result["sequential"] = _sequential(llm, server, config)
+        elif mode == "load":
+            result["load"] = _under_load(llm, server, config["load"])
+        else:
+            raise ValueError(f"mode: {mode!r} is not batch, sequential or load")
+        if config.get("timed"):
+            from kvd.bench.vllm_connectors import take_timings
+
+            (result[mode + "_connector"],) = llm.collective_rpc(take_timings)
     Path(config["out"]).write_text(json.dumps(result))
 
 
-def _timed_stock() -> type:
-    """vLLM's NIXL connector, timing the post-process it runs inline (built on first use)."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
-        NixlBaseConnector,
-        NixlPullConnector,
+def _batch(llm: Any, server: _PrefillServer, config: dict[str, Any]) -> list[dict[str, Any]]:
+    """The prompts at once, plus the control request."""
+    from vllm import TokensPrompt
+
+    base = prompts(tuple(config.get("prompt_lengths", PROMPT_LENGTHS)))
+    transfers = server.transfer_params([*base, base[1]])
+    requests = [*base, control_prompt(base[1])]
+    outputs = llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in requests],
+        [sampling(config["max_tokens"], dict(t)) for t in transfers],
+        use_tqdm=False,
     )
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
-        NixlPullConnectorScheduler,
-    )
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
-        NixlPullConnectorWorker,
-    )
-
-    class TimedWorker(NixlPullConnectorWorker):
-        def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
-            super().__init__(vllm_config, engine_id, kv_cache_config)
-            extra = vllm_config.kv_transfer_config.kv_connector_extra_config
-            self._stats_path = extra.get("kvd_stats_path")
-            self._post_process_s: list[float] = []
-            self._requests = 0
-
-        def get_transfer_results(self) -> Any:
-            started = time.perf_counter()
-            spent_before = sum(self._post_process_s)
-            results = super().get_transfer_results()
-            arrived = results.finished_recving - results.failed_recving
-            if arrived and self._stats_path:
-                self._requests += len(arrived)
-                step = sum(self._post_process_s) - spent_before
-                report = {
-                    "requests": self._requests,
-                    "post_process_s": self._post_process_s,
-                    "step_s": time.perf_counter() - started,
-                    "inline_per_step_s": step,
-                }
-                Path(self._stats_path).write_text(json.dumps(report))
-            return results
-
-        def post_process_device_kv_on_receive(self, *args: Any, **kwargs: Any) -> None:
-            started = time.perf_counter()
-            super().post_process_device_kv_on_receive(*args, **kwargs)
-            self._post_process_s.append(time.perf_counter() - started)
-
-    class TimedNixlConnector(NixlPullConnector):
-        def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
-            NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
-            if role == KVConnectorRole.SCHEDULER:
-                self.connector_scheduler = NixlPullConnectorScheduler(
-                    vllm_config, self.engine_id, kv_cache_config
-                )
-                self.connector_worker = None
-            else:
-                self.connector_scheduler = None
-                self.connector_worker = TimedWorker(vllm_config, self.engine_id, kv_cache_config)
-
-    return TimedNixlConnector
+    return [summary(o) for o in outputs]
 
 
-def __getattr__(name: str) -> Any:
-    if name == "TimedNixlConnector":
-        return _timed_stock()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def _sequential(llm: Any, server: _PrefillServer, config: dict[str, Any]) -> dict[str, Any]:
+    """The prompts one after the other, each timed from prefill to last token."""
+    from vllm import TokensPrompt
+
+    latencies = []
+    outputs = []
+    for tokens in prompts(tuple(config["prompt_lengths"])):
+        started = time.perf_counter()
+        (params,) = server.transfer_params([tokens])
+        (output,) = llm.generate(
+            [TokensPrompt(prompt_token_ids=tokens)],
+            [sampling(config["max_tokens"], params, None)],
+            use_tqdm=False,
+        )
+        latencies.append(time.perf_counter() - started)
+        outputs.append(output)
+    return {"decode": [summary(o) for o in outputs], "request_latency_s": latencies}
+
+
+def _under_load(llm: Any, server: _PrefillServer, load: dict[str, Any]) -> dict[str, Any]:
+    """Running requests decode while arrivals' KV lands, stepping the engine by hand.
+
+    ``load``: ``running`` and ``arrivals`` (prompt token lists), ``running_tokens`` and
+    ``arrival_tokens`` (tokens each decodes). Both sets are prefilled first (the prefill
+    instance holds their KV); the running requests are added at once, and the arrivals one at
+    a time while the running ones decode: arrival ``i`` when they have ``1 + i * step`` tokens,
+    ``step`` spreading the arrivals over the first half of their decode, so every arrival's KV
+    lands during it whatever the prefill instance's speed. Times are seconds from the start of
+    the run: per request when it was added here and when each of its tokens came out of a step;
+    per step its duration, the CPU time this process spent in it (all its threads) and whether
+    it produced a token (ran a forward for some request).
+    """
+    from vllm import TokensPrompt
+
+    engine = llm.llm_engine
+    running_params = server.transfer_params(load["running"])
+    arrival_params = server.transfer_params(load["arrivals"])
+    started = time.perf_counter()
+    requests: dict[str, dict[str, Any]] = {}
+    by_engine_id: dict[str, dict[str, Any]] = {}
+
+    def add(name: str, tokens: list[int], params: dict[str, Any], max_tokens: int) -> None:
+        record = requests[name] = {"kind": name.partition("-")[0], "token_at": []}
+        record["added_at"] = time.perf_counter() - started
+        engine_id = engine.add_request(
+            name, TokensPrompt(prompt_token_ids=tokens), sampling(max_tokens, params, None)
+        )
+        by_engine_id[name] = by_engine_id[engine_id] = record
+
+    for i, (tokens, params) in enumerate(zip(load["running"], running_params, strict=True)):
+        add(f"running-{i}", tokens, params, load["running_tokens"])
+    running = list(requests.values())
+    waiting = list(enumerate(zip(load["arrivals"], arrival_params, strict=True)))
+    spacing = max(1, load["running_tokens"] // 2 // max(1, len(waiting)))
+    step_s: list[float] = []
+    step_cpu_s: list[float] = []
+    step_produced: list[bool] = []
+    while waiting or engine.has_unfinished_requests():
+        decoded = min(len(r["token_at"]) for r in running)
+        while waiting and decoded >= 1 + waiting[0][0] * spacing:
+            i, (tokens, params) = waiting.pop(0)
+            add(f"arrival-{i}", tokens, params, load["arrival_tokens"])
+        step_started, cpu_started = time.perf_counter(), time.process_time()
+        outputs = engine.step()
+        stepped = time.perf_counter()
+        step_s.append(stepped - step_started)
+        step_cpu_s.append(time.process_time() - cpu_started)
+        produced = False
+        for output in outputs:
+            record = by_engine_id[output.request_id]
+            token_at = record["token_at"]
+            while len(token_at) < len(output.outputs[0].token_ids):
+                token_at.append(stepped - started)
+                produced = True
+            if output.finished:
+                record["token_ids"] = list(output.outputs[0].token_ids)
+        step_produced.append(produced)
+    return {
+        "requests": requests,
+        "step_s": step_s,
+        "step_cpu_s": step_cpu_s,
+        "step_produced": step_produced,
+    }
 
 
 def main() -> None:

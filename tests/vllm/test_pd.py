@@ -21,8 +21,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm is not installed (pip install -e '.[vllm]')")
 
-from kvd.bench.vllm import Prefill, run_decode
+from kvd.bench.vllm import Prefill, equal_to_baseline, run_decode
 from kvd.bench.vllm_engine import make_model, prompts
+from kvd.bench.vllm_report import mode_report
 from kvd.client import Client
 from kvd.daemon_process import DaemonError, DaemonProcess
 
@@ -192,3 +193,46 @@ def test_a_kvd_gone_for_the_down_timeout_fails_what_is_held(setup: Setup, short_
         assert figures["failed"] >= 1, "no request was failed after the down timeout"
     finally:
         crashing.kill()
+
+
+def test_under_load_both_connectors_are_timed_and_kvd_decodes_the_single_instance(
+    setup: Setup, kvd: DaemonProcess
+) -> None:
+    """``kvd bench vllm``'s load run, small: 2 requests decode while 2 more of 200 tokens
+    arrive, 32 -> 128 (kvd merges the pages). kvd's tokens equal a single instance's; stock's
+    are not checked (its CPU merge is wrong); every figure of the report is there."""
+    load = {
+        "running": prompts((60, 59), seed=1),
+        "running_tokens": 8,
+        "arrivals": prompts((200, 199), seed=2),
+        "arrival_tokens": 4,
+    }
+    baseline = setup.prefills["stock"].call(
+        {"op": "baseline", "prompts": [*load["running"], *load["arrivals"]], "max_tokens": 8}
+    )
+    runs = {
+        name: setup.decode(
+            "stock",
+            128,
+            connector=connector,
+            module="kvd.bench.vllm_connectors",
+            extra={"kvd_runtime_dir": str(kvd.runtime_dir)},
+            modes=["load"],
+            load=load,
+            timed=True,
+        )
+        for name, connector in (("stock", "TimedNixlConnector"), ("kvd", "TimedKvdConnector"))
+    }
+    requests = runs["kvd"]["load"]["requests"].values()
+    assert sorted(len(r["token_ids"]) for r in requests) == [4, 4, 8, 8]
+    equal = equal_to_baseline("load", runs, baseline)
+    assert equal["kvd"] == [True] * 4, runs["kvd"]["log"]
+    timings = {name: run["load_connector"] for name, run in runs.items()}
+    assert timings["kvd"]["failed"] == 0 and timings["kvd"]["held"] == 0
+    assert len(timings["kvd"]["landed_to_released_s"]) == 4, "a request was not seen landing"
+    assert sum(timings["stock"]["inline_s"]) > 0, "stock's inline post-process was not timed"
+    assert sum(timings["kvd"]["inline_s"]) == 0, "kvd's worker ran vLLM's post-process"
+    report = mode_report("load", runs, equal)
+    assert len(report["targets"]) == 5
+    for figures in report["figures"].values():
+        assert len(figures["running_inter_token"]) == 3 and figures["arrivals"] == 2
