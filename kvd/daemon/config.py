@@ -128,11 +128,12 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 "Bytes kvd queues for one peer: notifications of one engine it has not read yet, "
                 "events for one subscriber or replay peer that does not read (the kernel's "
                 "socket buffers come on top). Counted as messages of the largest size "
-                "(max_message_bytes + 4 KiB): past it an engine's notifications wait in the "
-                "engine, a subscriber misses events and replays them, a replay waits its turn."
+                "(max_message_bytes + 4 KiB; 1,023 by default, a few MiB of typical events): "
+                "past it an engine's notifications wait in the engine, a subscriber misses "
+                "events and replays them, a replay waits its turn."
             ),
         ),
-    ] = 64 << 20
+    ] = 1 << 30
     max_connections: Annotated[
         int,
         msgspec.Meta(
