@@ -1,12 +1,11 @@
 """``kvd bench vllm``: a real vLLM prefill/decode pair on CPU, with and without kvd, same run.
 
 Starts ``kvd serve``, one prefill instance (vLLM's NIXL connector) and, in turn, two decode
-instances of the same block size: one with vLLM's own connector, timing the post-process it runs
-inline (on CPU it is wrong: the figures are its cost, not its result), and one with
-``KvdConnector``. Each decodes the same requests one after the other. Reported: the time the
-decode worker spends per engine step on the post-process (stock: inline; kvd: the hand-off
-alone), read-done to Ready latency through kvd, and end-to-end request latency (prefill to last
-token) with and without kvd, with their ratios.
+instances of the same block size: vLLM's own connector, post-processing inline (on CPU it is
+wrong: the figures are its cost, not its result), and ``KvdConnector``, both timed the same way
+by ``kvd.bench.vllm_connectors``. Each runs the same requests one at a time, under load, or
+both (``HELP`` says what each figure is); ``kvd.bench.vllm_report`` turns what they recorded
+into the figures, the targets and the table.
 
 The process harness here (``Engine``, ``Prefill``) is also what tests/vllm uses.
 """
