@@ -355,6 +355,8 @@ def format_status(reply: Any) -> str:
         + (f"{reply.engine_lease_s:g}s" if reply.engine_lease_s else "off"),
         "",
     ]
+    if reply.journal_problem:
+        lines[-1:-1] = [f"JOURNAL FAILING, new work is refused: {reply.journal_problem}"]
     rows = [
         ("CACHE", "ENGINE", "BLOCKS", "BLOCK SIZE", "TENSORS", "MiB", "IN FLIGHT", "ENGINE STATE")
     ]
@@ -483,6 +485,23 @@ def _add_bench(commands: Any) -> None:
         default=None,
         help="kvd's batch window for the run, microseconds or 'auto' (default: kvd's default)",
     )
+    pipeline.add_argument(
+        "--soak",
+        type=int,
+        default=0,
+        metavar="N",
+        help=(
+            "instead: send N notifications (e.g. 1000000) through one kvd and print its RSS "
+            "after the warm-up and at the end; fails when it grew by more than 16 MiB"
+        ),
+    )
+    pipeline.add_argument(
+        "--soak-warmup",
+        type=int,
+        default=200_000,
+        metavar="N",
+        help="notifications of the soak sent before its first RSS reading (default: %(default)s)",
+    )
     windows = pipeline.add_argument_group(
         "windows",
         "With --windows, compare batch windows instead: one kvd, the window changed live "
@@ -568,6 +587,36 @@ def _add_bench(commands: Any) -> None:
     chaos.add_argument("--json", action="store_true", help="print one JSON object")
     add_progress_flag(chaos)
     chaos.set_defaults(run=_bench_chaos)
+    startup = _command(
+        which,
+        "startup",
+        help="time from exec to READY of kvd serve, idle and beside busy processes",
+        description=(
+            "Starts kvd serve again and again, each on a fresh runtime directory, and times it "
+            "from exec to the READY=1 it sends on NOTIFY_SOCKET (what systemd waits for). Each "
+            "load runs that many busy-loop processes meanwhile, standing in for busy engines."
+        ),
+    )
+    startup.add_argument(
+        "--starts", type=_positive, default=5, help="starts per load (default: %(default)s)"
+    )
+    startup.add_argument(
+        "--load",
+        type=_counts,
+        default=[0, 2],
+        metavar="LIST",
+        help="busy-loop processes meanwhile, one load per item (default: 0,2)",
+    )
+    startup.add_argument("--device", default="cpu", help="kvd serve's --device (default: cpu)")
+    startup.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        help="seconds a start may take before the benchmark fails (default: %(default)s)",
+    )
+    startup.add_argument("--json", action="store_true", help="print one JSON object")
+    add_progress_flag(startup)
+    startup.set_defaults(run=_bench_startup)
 
 
 def _bench_kernels(args: argparse.Namespace) -> int:
@@ -584,6 +633,12 @@ def _bench_vllm(args: argparse.Namespace) -> int:
 
 def _bench_chaos(args: argparse.Namespace) -> int:
     from kvd.bench.chaos import run
+
+    return run(args)
+
+
+def _bench_startup(args: argparse.Namespace) -> int:
+    from kvd.bench.startup import run
 
     return run(args)
 
@@ -608,6 +663,28 @@ def _batch_window(text: str) -> int | str:
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected microseconds >= 0, got {value}")
     return value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected 1 or more, got {value}")
+    return value
+
+
+def _counts(text: str) -> list[int]:
+    try:
+        values = [int(item) for item in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated whole numbers, got {text!r}"
+        ) from None
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected numbers >= 0, got {text!r}")
+    return values
 
 
 # -- tune ---------------------------------------------------------------------------------------

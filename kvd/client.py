@@ -58,6 +58,10 @@ if TYPE_CHECKING:
     from kvd.shm import ShmCache
 
 DEFAULT_TIMEOUT_S = 10.0
+ATTACH_TIMEOUT_S = 120.0
+"""An Attach's deadline when the client's timeout was left to the default: it opens memory,
+compiles CUDA kernels, and a CPU kvd's first one waits for torch, which loads after READY
+(seconds; tens on a machine much busier than its cores)."""
 
 
 class KvdError(Exception):
@@ -208,12 +212,15 @@ class Client:
         *,
         gpu: str = "0",
         endpoints: Endpoints | None = None,
-        timeout: float = DEFAULT_TIMEOUT_S,
+        timeout: float | None = None,
     ) -> None:
         self._locator = _Locator(runtime_dir, gpu, endpoints)
         self.runtime_dir = self._locator.runtime_dir
         self.endpoints = self._locator.endpoints()
-        self.timeout = timeout
+        self.timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
+        """Seconds a call waits for its reply (``DEFAULT_TIMEOUT_S`` unless given)."""
+        self._attach_timeout = ATTACH_TIMEOUT_S if timeout is None else None
+        """An Attach's, when ``timeout`` was not given; else an Attach waits ``timeout`` too."""
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._control: zmq.Socket[bytes] | None = None
         self._push: zmq.Socket[bytes] | None = None
@@ -229,7 +236,7 @@ class Client:
         self, cache_id: str, tensors: Sequence[TensorSpec], *, engine_id: str = ""
     ) -> Attached:
         request = Attach(cache_id=cache_id, tensors=list(tensors), engine_id=engine_id)
-        result: Attached = _unwrap(self._call(request), Attached)
+        result: Attached = _unwrap(self._call(request, self._attach_timeout), Attached)
         self._caches.ids.add(cache_id)
         return result
 
@@ -268,16 +275,16 @@ class Client:
         result: Lease = _unwrap(self._call(Heartbeat(engine_id=engine_id)), Lease)
         return result
 
-    def _call(self, request: ControlRequest) -> ControlReply:
+    def _call(self, request: ControlRequest, timeout: float | None = None) -> ControlReply:
+        """Send ``request`` and wait ``timeout`` (else the client's) for the reply."""
+        timeout = self.timeout if timeout is None else timeout
         sock = self._control_socket()
         sock.send_multipart([b"", _ENCODER.encode(request)])
-        if not sock.poll(int(self.timeout * 1000)):
+        if not sock.poll(int(timeout * 1000)):
             # A late reply would be taken for the next request's: start over with a new socket.
             sock.close()
             self._control = None
-            raise self._locator.timed_out(
-                f"no reply from kvd at {self.endpoints.control}", self.timeout
-            )
+            raise self._locator.timed_out(f"no reply from kvd at {self.endpoints.control}", timeout)
         frames = sock.recv_multipart()
         return _REPLY_DECODER.decode(frames[-1])
 
@@ -402,12 +409,15 @@ class AsyncClient:
         *,
         gpu: str = "0",
         endpoints: Endpoints | None = None,
-        timeout: float = DEFAULT_TIMEOUT_S,
+        timeout: float | None = None,
     ) -> None:
         self._locator = _Locator(runtime_dir, gpu, endpoints)
         self.runtime_dir = self._locator.runtime_dir
         self.endpoints = self._locator.endpoints()
-        self.timeout = timeout
+        self.timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
+        """Seconds a call waits for its reply (``DEFAULT_TIMEOUT_S`` unless given)."""
+        self._attach_timeout = ATTACH_TIMEOUT_S if timeout is None else None
+        """An Attach's, when ``timeout`` was not given; else an Attach waits ``timeout`` too."""
         self._ctx = zmq.asyncio.Context()
         self._control: zmq.asyncio.Socket | None = None
         self._push: zmq.asyncio.Socket | None = None
@@ -421,7 +431,8 @@ class AsyncClient:
         self, cache_id: str, tensors: Sequence[TensorSpec], *, engine_id: str = ""
     ) -> Attached:
         reply = await self._call(
-            Attach(cache_id=cache_id, tensors=list(tensors), engine_id=engine_id)
+            Attach(cache_id=cache_id, tensors=list(tensors), engine_id=engine_id),
+            self._attach_timeout,
         )
         result: Attached = _unwrap(reply, Attached)
         self._caches.ids.add(cache_id)
@@ -458,7 +469,9 @@ class AsyncClient:
         result: Lease = _unwrap(await self._call(Heartbeat(engine_id=engine_id)), Lease)
         return result
 
-    async def _call(self, request: ControlRequest) -> ControlReply:
+    async def _call(self, request: ControlRequest, timeout: float | None = None) -> ControlReply:
+        """As ``Client._call``."""
+        timeout = self.timeout if timeout is None else timeout
         if self._control is None:
             self._locator.check()
             self.endpoints = self._locator.endpoints()
@@ -467,12 +480,10 @@ class AsyncClient:
             self._control.connect(self.endpoints.control)
         sock = self._control
         await sock.send_multipart([b"", _ENCODER.encode(request)])
-        if not await sock.poll(int(self.timeout * 1000)):
+        if not await sock.poll(int(timeout * 1000)):
             sock.close()
             self._control = None
-            raise self._locator.timed_out(
-                f"no reply from kvd at {self.endpoints.control}", self.timeout
-            )
+            raise self._locator.timed_out(f"no reply from kvd at {self.endpoints.control}", timeout)
         frames = await sock.recv_multipart()
         return _REPLY_DECODER.decode(frames[-1])
 

@@ -69,7 +69,8 @@ class DaemonProcess:
     def endpoints(self) -> Endpoints:
         return read_endpoints(self.runtime_dir)
 
-    def client(self, timeout: float = 10.0) -> Client:
+    def client(self, timeout: float | None = None) -> Client:
+        """A client of this kvd (``Client``'s default timeouts unless ``timeout`` is given)."""
         return Client(self.runtime_dir, timeout=timeout)
 
     def signal(self, sig: int = signal.SIGTERM) -> None:

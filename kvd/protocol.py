@@ -132,6 +132,7 @@ class Reason(enum.StrEnum):
     INVALID_FORMAT = "invalid_format"
     NOT_PERMITTED = "not_permitted"
     CACHE_DETACHED = "cache_detached"
+    JOURNAL_UNAVAILABLE = "journal_unavailable"
     INTERNAL = "internal"
 
 
@@ -141,6 +142,10 @@ class _Message(msgspec.Struct, omit_defaults=True, gc=False, kw_only=True, tag_f
 
 # ---------------------------------------------------------------------------------------------
 # Memory references: where an attached tensor's bytes live.
+
+
+SHM_DIR = "/dev/shm"
+"""Where the POSIX shared-memory objects that ``ShmRef`` names live."""
 
 
 class ShmRef(msgspec.Struct, omit_defaults=True, gc=False, kw_only=True, tag="shm"):
@@ -313,6 +318,8 @@ class DaemonStatus(_Message, tag="daemon_status"):
     rejections: dict[str, int] = {}
     batch_window_auto: bool = False
     engine_lease_s: float = 0.0
+    journal_problem: str = ""
+    """Why the launch journal cannot be written (new work is refused); empty when it can."""
 
 
 class Pong(_Message, tag="pong"):

@@ -13,9 +13,9 @@ import secrets
 import torch
 
 from kvd.dtypes import torch_dtype
+from kvd.protocol import SHM_DIR as SHM_DIR  # noqa: PLC0414 (kvd.vllm.shm imports it here)
 from kvd.protocol import DTypeName, KVArrangement, Layout, ShmRef, TensorSpec
 
-SHM_DIR = "/dev/shm"
 _ALIGN = 4096
 
 

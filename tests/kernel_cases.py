@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 from kvd.dtypes import ITEMSIZE, torch_dtype
-from kvd.kernels import CachePostProcess, RegionView, region_views
 from kvd.kernels.device import Lane
+from kvd.kernels.postprocess import CachePostProcess, RegionView, region_views
 from kvd.layout.formats import (
     PageSizes,
     has_heads,

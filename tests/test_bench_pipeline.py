@@ -55,3 +55,31 @@ def test_windows_compare_fixed_windows_with_auto_at_each_load() -> None:
 def test_windows_arguments_that_cannot_work_are_usage_errors() -> None:
     done = kvd("bench", "pipeline", "--windows", "0,0", timeout=60)
     assert done.returncode == 2 and "--windows: give two or more distinct windows" in done.stderr
+
+
+@pytest.mark.slow
+def test_layout_reports_the_kernel_time_beside_the_latency() -> None:
+    done = kvd(*TINY, "--transform", "layout", "--blocks", "2", "--json", timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    kvd_figures = report["figures"]["kvd"]
+    assert kvd_figures["failed"] == 0 and kvd_figures["kernel_us"] > 0
+    assert report["figures"]["relay-api"]["kernel_us"] == 0
+    beyond = report["beyond_kernel"]
+    assert set(beyond) == {"kvd_p50_less_kernel_us", "over_relay_api_us"}
+
+
+@pytest.mark.slow
+def test_soak_prints_the_rss_after_the_warm_up_and_at_the_end() -> None:
+    done = kvd("bench", "pipeline", "--soak", "3000", "--soak-warmup", "1000", "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert (report["notifications"], report["warmup"], report["failed"]) == (3000, 1000, 0)
+    growth = report["rss_at_end_bytes"] - report["rss_after_warmup_bytes"]
+    assert report["rss_after_warmup_bytes"] > 0 and report["growth_bytes"] == growth
+    assert report["meets_targets"] and growth <= report["growth_limit_bytes"]
+
+
+def test_a_soak_warm_up_as_long_as_the_soak_is_a_usage_error() -> None:
+    done = kvd("bench", "pipeline", "--soak", "100", "--soak-warmup", "100", timeout=60)
+    assert done.returncode == 2 and "--soak-warmup must be in [1, --soak)" in done.stderr

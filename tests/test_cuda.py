@@ -248,9 +248,8 @@ async def test_ready_with_a_cuda_event_goes_out_at_launch_and_is_journaled_at_co
     api.hold_completion = threading.Event()
     shm = ShmCache.create(num_layers=1, num_blocks=8, block_size=8, num_heads=2, head_dim=8)
     before = [t.clone() for t in shm.tensors]
-    cpu = torch.device("cpu")
-    registry = Registry(cpu)
-    registry.add(open_cache(Attach(cache_id="gpu", tensors=shm.specs), cpu, Owner(b"", "")))
+    registry = Registry("cpu")
+    registry.add(open_cache(Attach(cache_id="gpu", tensors=shm.specs), "cpu", Owner(b"", "")))
     journal = Journal(short_tmp, 1 << 20)
     journal.recover()
     journal.open()

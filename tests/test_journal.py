@@ -96,3 +96,19 @@ def test_a_planted_symlink_or_garbage_is_refused(short_tmp: Path, tmp_path: Path
     (short_tmp / "journal.8").write_bytes(b"\x05\x00\x00\x00garbage")
     with pytest.raises(JournalError, match="corrupt"):
         Journal(short_tmp, 1 << 20).recover()
+
+
+def test_a_rotation_that_cannot_start_a_segment_keeps_the_current_one(short_tmp: Path) -> None:
+    journal = Journal(short_tmp, 8192)
+    journal.recover()
+    journal.open()
+    (short_tmp / "journal.2").touch()  # the next segment's name is taken
+    for i in range(100):  # past half of max_bytes: a rotation is due
+        journal.launched([launch(f"r{i}")])
+        journal.finished([done(f"r{i}")])
+    with pytest.raises(JournalError, match=r"journal\.2"):
+        journal.rotate_if_full([])
+    journal.launched([launch("after")])  # still written, to the segment in use
+    assert journal.problem is None
+    journal.close()
+    assert [x.req_id for x in Journal(short_tmp, 8192).recover().interrupted] == ["after"]

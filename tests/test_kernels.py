@@ -18,7 +18,9 @@ import pytest
 import torch
 
 from kvd.cudaipc import check_handle
-from kvd.kernels import CachePostProcess, MemoryFault, cpu
+from kvd.kernels import cpu
+from kvd.kernels.faults import MemoryFault
+from kvd.kernels.postprocess import CachePostProcess
 from kvd.layout.formats import PRESETS, PageSizes
 from kvd.layout.planner import plan
 from kvd.protocol import CudaIpcRef

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from kvd.daemon.journal import Outcome
-from kvd.daemon.ledger import BoundedMemory, Ledger, LedgerError, State, outcome_bytes
+from kvd.daemon.ledger import (
+    BoundedMemory,
+    Ledger,
+    LedgerError,
+    RecentAnswers,
+    State,
+    outcome_bytes,
+)
 from kvd.daemon.validate import InFlight, Rejection, Repeat, identify
 from kvd.protocol import ReadDone, ReadFailed, Reason
 from tests.test_batcher import req
@@ -91,3 +98,15 @@ def test_a_repeat_while_in_flight_is_absorbed_and_a_new_generation_refused() -> 
     assert isinstance(racing, Rejection) and racing.code == Reason.GENERATION_IN_FLIGHT
     older = identify(read_done("a", 2), ledger)
     assert isinstance(older, Rejection) and older.code == Reason.STALE_GENERATION
+
+
+def test_answers_that_touched_nothing_are_kept_for_status_bounded_by_count() -> None:
+    answers = RecentAnswers(100)
+    for i in range(10_000):
+        answers.put(("c", f"r{i}"), (0, "", ""))
+    assert 100 <= len(answers) <= 200
+    assert answers.by_req_id("r9999") == [Outcome("c", "r9999", 0, "", "", [])]
+    assert answers.by_req_id("r0") == [], "the oldest are forgotten"
+    answers.put(("c", "r9999"), (1, "block_in_flight", "busy"))
+    newest = answers.by_req_id("r9999")[0]
+    assert (newest.generation, newest.code) == (1, "block_in_flight"), "newest first"

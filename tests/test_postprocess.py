@@ -11,7 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvd.kernels import CachePostProcess, cpu
+from kvd.kernels import cpu
+from kvd.kernels.postprocess import CachePostProcess
 from kvd.layout.formats import PRESETS, FormatError
 from kvd.layout.planner import PlanError
 from kvd.protocol import PageFormat

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvd.kernels import CachePostProcess, region_views
+from kvd.kernels.postprocess import CachePostProcess, region_views
 from kvd.layout.geometry import tensor_geometry
 from kvd.protocol import ShmRef, TensorSpec
 

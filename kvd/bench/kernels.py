@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from kvd.dtypes import torch_dtype
-from kvd.kernels import CachePostProcess, region_views
+from kvd.kernels.postprocess import CachePostProcess, region_views
 from kvd.layout.formats import PRESETS, PageSizes, is_cross_layer, page_elements
 from kvd.layout.geometry import TensorGeometry
 from kvd.progress import progress_bar

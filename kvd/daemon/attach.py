@@ -1,7 +1,9 @@
 """Attaching a cache: check its description, open its memory, prepare its post-process.
 
 Runs in a worker thread (opening memory and warming CUDA kernels are slow); the result is
-registered on the event loop by ``Registry.add``.
+registered on the event loop by ``Registry.add``. This module is where the daemon's torch, numpy
+and kernels come from: it is imported off the loop, after READY (``server.load_kernels``), or by
+the first Attach if that comes sooner.
 """
 
 from __future__ import annotations
@@ -11,15 +13,17 @@ import torch
 from kvd.daemon.memory import AttachError, Opener, populate
 from kvd.daemon.registry import AttachedCache, AttachedTensor, Owner
 from kvd.dtypes import torch_dtype
-from kvd.kernels import CachePostProcess, region_views
 from kvd.kernels.device import lane_for
+from kvd.kernels.postprocess import CachePostProcess, region_views
 from kvd.layout.formats import FormatError, has_heads, legacy_remote_format
 from kvd.layout.geometry import GeometryError, cache_geometry
 from kvd.protocol import Attach, PageFormat, Reason
 
 
-def open_cache(request: Attach, device: torch.device, owner: Owner) -> AttachedCache:
-    """Check and open an Attach's tensors (blocking: call from a worker thread)."""
+def open_cache(request: Attach, device_name: str, owner: Owner) -> AttachedCache:
+    """Check and open an Attach's tensors on ``device_name`` (``Registry.device``), blocking:
+    call from a worker thread."""
+    device = torch.device(device_name)
     if device.type == "cuda":
         lane_for(device).api.set_device(device)  # a worker thread starts on device 0
     try:

@@ -120,6 +120,30 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             ),
         ),
     ] = 64 << 20
+    peer_queue_bytes: Annotated[
+        int,
+        msgspec.Meta(
+            ge=1 << 20,
+            description=(
+                "Bytes kvd queues for one peer: notifications of one engine it has not read yet, "
+                "events for one subscriber or replay peer that does not read (the kernel's "
+                "socket buffers come on top). Counted as messages of the largest size "
+                "(max_message_bytes + 4 KiB): past it an engine's notifications wait in the "
+                "engine, a subscriber misses events and replays them, a replay waits its turn."
+            ),
+        ),
+    ] = 64 << 20
+    max_connections: Annotated[
+        int,
+        msgspec.Meta(
+            ge=1,
+            description=(
+                "Peer connections kept, all sockets together; one past it is closed at once "
+                "(counted in kvd_connections_refused_total). Lowered at start to fit the "
+                "descriptor limit, less 256 for kvd's own use."
+            ),
+        ),
+    ] = 4096
     max_message_bytes: Annotated[
         int,
         msgspec.Meta(

@@ -25,7 +25,6 @@ import msgspec
 import zmq
 
 from kvd import __version__
-from kvd.daemon.attach import open_cache
 from kvd.daemon.leases import Leases
 from kvd.daemon.ledger import State
 from kvd.daemon.memory import AttachError
@@ -196,7 +195,7 @@ class Control:
                     f"engine {owner.engine_id!r} attached cache {cache_id!r} again: the requests "
                     "of the earlier attach that were not started are not done",
                 )
-            cache = await asyncio.to_thread(open_cache, request, self._registry.device, owner)
+            cache = await asyncio.to_thread(_open_cache, request, self._registry.device, owner)
             try:
                 self._registry.add(cache)
             except AttachError:
@@ -454,6 +453,7 @@ class Control:
             ],
             counters=self._metrics.counters(),
             rejections=self._metrics.rejection_counts(),
+            journal_problem=self._pipeline.journal.problem or "",
         )
 
     def _error(self, code: Reason, message: str) -> Error:
@@ -473,3 +473,11 @@ class Control:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _open_cache(request: Attach, device: str, owner: Owner) -> AttachedCache:
+    """``attach.open_cache``, imported here, in the worker thread: importing torch takes seconds
+    on a busy machine, and the loop must not wait for it."""
+    from kvd.daemon.attach import open_cache
+
+    return open_cache(request, device, owner)

@@ -23,14 +23,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvd.daemon.batcher import Batch
 from kvd.daemon.registry import Rewrite
-from kvd.kernels import MemoryFault
-from kvd.kernels.device import CudaEvent, DeviceFailed, Lane
-from kvd.layout.formats import FormatError
-from kvd.layout.planner import PlanError
+from kvd.kernels.faults import DeviceFailed, MemoryFault
 from kvd.protocol import Reason
+
+if TYPE_CHECKING:  # the kernels load after READY (see kvd.kernels)
+    from kvd.kernels.device import CudaEvent, Lane
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ def run_item(item: WorkItem) -> None:
         except MemoryFault as exc:
             item.error = item.lost = f"memory fault while rewriting: {exc}"
             log.error("post-process of %d blocks: %s", item.num_blocks, exc)
-        except (PlanError, FormatError, ValueError) as exc:
+        except ValueError as exc:  # PlanError and FormatError are ValueErrors too
             item.error = str(exc)
             item.code = Reason.INVALID_FORMAT if n == 0 else Reason.TRANSFORM_FAILED
             log.error("post-process of %d blocks refused: %s", item.num_blocks, exc)

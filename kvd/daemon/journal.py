@@ -11,6 +11,11 @@ The journal is two segment files at most; when the newer one outgrows half of ``
 fresh one starts (carrying the launches still running) and the older one is deleted, so the
 journal, and the outcomes it remembers, are bounded by bytes. A record cut short by a crash in
 the middle of a write is the last of its file and is ignored: its launch had not started.
+
+A write can fail (ENOSPC on a full tmpfs, EFBIG past ``RLIMIT_FSIZE``): the bytes of a record cut
+short are cut off again, so the next record follows a whole one; ``problem`` says why until a
+write succeeds. Outcomes that could not be written are kept (as many as requests were running)
+and go first in the next write, so the journal recovers by itself once there is room.
 """
 
 from __future__ import annotations
@@ -82,6 +87,10 @@ class Journal:
         self._fd = -1
         self._segment = 0
         self._size = 0
+        self._unrecorded: list[Outcome] = []
+        """Outcomes whose write failed: written ahead of the next record."""
+        self.problem: str | None = None
+        """Why the last write failed; None once one succeeded."""
 
     # -- start ---------------------------------------------------------------------------------
 
@@ -127,12 +136,17 @@ class Journal:
     # -- hot path ------------------------------------------------------------------------------
 
     def launched(self, launches: Iterable[Launch]) -> None:
-        """Record launches before they start (one write for the whole batch)."""
-        self._write(launches)
+        """Record launches before they start (one write for the whole batch). On
+        ``JournalError`` nothing of them is on record: they must not start."""
+        self._write([*self._unrecorded, *launches])
+        self._unrecorded.clear()
 
     def finished(self, outcomes: Iterable[Outcome]) -> None:
-        """Record outcomes before their events are published."""
-        self._write(outcomes)
+        """Record outcomes before their events are published. On ``JournalError`` they are kept
+        and written with the next record."""
+        self._unrecorded.extend(outcomes)
+        self._write(self._unrecorded)
+        self._unrecorded.clear()
 
     def rotate_if_full(self, running: Iterable[Launch]) -> bool:
         """Start a new segment when the current one is full; ``running`` are carried over."""
@@ -160,25 +174,44 @@ class Journal:
         try:
             written = os.write(self._fd, data)
         except OSError as exc:
-            raise JournalError(f"cannot write {self._path(self._segment)}: {exc}") from exc
-        if written != len(data):  # tmpfs full: a torn record would look like a crash
-            raise JournalError(
-                f"{self._path(self._segment)}: short write ({written} of {len(data)} bytes)"
-            )
+            self._failed(exc.strerror or str(exc))
+            raise JournalError(self.problem) from exc
+        if written != len(data):  # tmpfs full, or RLIMIT_FSIZE reached
+            self._failed(f"short write ({written} of {len(data)} bytes)")
+            raise JournalError(self.problem)
         self._size += len(data)
+        self.problem = None
+
+    def _failed(self, why: str) -> None:
+        self.problem = f"cannot write {self._path(self._segment)}: {why}"
+        try:
+            os.ftruncate(self._fd, self._size)  # a torn record would hide the ones after it
+        except OSError as exc:
+            log.warning("cannot cut a torn record off %s: %s", self._path(self._segment), exc)
 
     def _rotate(self, carry: Iterable[Record], *, keep_previous: bool) -> None:
+        """Start the next segment with ``carry``; on failure the current one stays in use."""
         old = [path for _, path in self._segments()]
-        self.close()
-        self._segment += 1
-        path = self._path(self._segment)
+        path = self._path(self._segment + 1)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            self._fd = os.open(path, flags, 0o600)
+            fd = os.open(path, flags, 0o600)
         except OSError as exc:
-            raise JournalError(f"cannot create {path}: {exc.strerror}") from exc
-        self._size = 0
-        self._write(carry)
+            self.problem = f"cannot create {path}: {exc.strerror}"
+            raise JournalError(self.problem) from exc
+        previous = (self._fd, self._size)
+        self._fd, self._size = fd, 0
+        self._segment += 1
+        try:
+            self._write(carry)
+        except JournalError:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            self._fd, self._size = previous
+            self._segment -= 1
+            raise
+        if previous[0] >= 0:
+            os.close(previous[0])
         # The previous segment holds the outcomes of the recent past: keep it while running.
         for stale in old[:-1] if keep_previous else old:
             stale.unlink(missing_ok=True)

@@ -4,8 +4,12 @@ A request is identified by its key (cache_id, req_id) and its generation. State 
 accepted -> batched -> launched -> done -> published. The ledger owns which blocks are in flight,
 so a block is never handed to two requests at once, and remembers the outcome of every request
 whose blocks kvd touched (launched), so a repeated notification is answered from memory and
-never rewrites them again. Both memories are bounded by bytes; the journal (``journal.py``)
-keeps the same outcomes across restarts.
+never rewrites them again; the journal (``journal.py``) keeps the same outcomes across restarts.
+
+Nothing here grows with the traffic: requests in flight each own at least one block of their
+cache (a request without blocks needs no work and never enters), so there are at most as many
+as the attached caches have blocks; the outcomes are bounded by bytes, and the answers that
+touched nothing, kept for Status only, by count.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import enum
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvd.daemon.journal import Key, Launch, Outcome
@@ -86,12 +91,11 @@ class BoundedMemory:
         self.max_bytes = max_bytes
         self.nbytes = 0
         self._entries: OrderedDict[Key, Outcome] = OrderedDict()
+        # The dict's own method: one lookup per notification, without a Python call around it.
+        self.get: Callable[[Key], Outcome | None] = self._entries.get
 
     def __len__(self) -> int:
         return len(self._entries)
-
-    def get(self, key: Key) -> Outcome | None:
-        return self._entries.get(key)
 
     def put(self, outcome: Outcome) -> None:
         key = (outcome.cache_id, outcome.req_id)
@@ -112,21 +116,52 @@ class BoundedMemory:
         return list(self._entries.values())
 
 
+class RecentAnswers:
+    """Answers that touched nothing, by key, for Status only: between ``count`` and twice that
+    many of the latest are kept. Storing one is one dict write: when the newer of two dicts
+    fills up, the older is dropped whole, so no entry is ever evicted one at a time."""
+
+    def __init__(self, count: int) -> None:
+        if count < 1:
+            raise ValueError(f"count must be >= 1, got {count}")
+        self.count = count
+        self._newer: dict[Key, tuple[int, str, str]] = {}
+        self._older: dict[Key, tuple[int, str, str]] = {}
+
+    def __len__(self) -> int:
+        return len(self._newer) + len(self._older)
+
+    def put(self, key: Key, answer: tuple[int, str, str]) -> None:
+        """Remember ``answer``: (generation, code, message), code empty for Ready."""
+        newer = self._newer
+        newer[key] = answer
+        if len(newer) >= self.count:
+            self._older, self._newer = newer, {}
+
+    def by_req_id(self, req_id: str) -> list[Outcome]:
+        """Every remembered answer of ``req_id``, newest first (for Status; not a hot path)."""
+        return [
+            Outcome(cache_id, r, generation, code, message, [])
+            for answers in (self._newer, self._older)
+            for (cache_id, r), (generation, code, message) in answers.items()
+            if r == req_id
+        ]
+
+
 class Ledger:
-    def __init__(self, outcome_bytes: int = 64 << 20, untouched_bytes: int = 8 << 20) -> None:
+    def __init__(self, outcome_bytes: int = 64 << 20, untouched_count: int = 16384) -> None:
         self._requests: dict[Key, Request] = {}
+        self.get: Callable[[Key], Request | None] = self._requests.get
+        """The request in flight under ``key``, or None (the dict's own method: a hot path)."""
         self._block_owner: dict[str, dict[int, Key]] = {}
         self.outcomes = BoundedMemory(outcome_bytes)
         """Requests whose blocks kvd touched: never rewritten again under the same generation."""
-        self.untouched = BoundedMemory(untouched_bytes)
+        self.untouched = RecentAnswers(untouched_count)
         """Recent answers that touched nothing (refusals, requests that needed no work), for
         Status only: a repeat of one is checked afresh."""
 
     def __len__(self) -> int:
         return len(self._requests)
-
-    def get(self, key: Key) -> Request | None:
-        return self._requests.get(key)
 
     def find(self, req_id: str, cache_id: str = "") -> Request | None:
         """A request in flight by req_id (in ``cache_id`` when given)."""

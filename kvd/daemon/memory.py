@@ -19,12 +19,12 @@ import os
 import re
 import stat
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from kvd.protocol import SHM_DIR, CudaIpcRef, Reason, ShmRef
 
-from kvd.protocol import CudaIpcRef, Reason, ShmRef
-from kvd.shm import SHM_DIR
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,8 @@ class SharedSegment:
         self.size = st.st_size
         self.backing: Backing = ("shm", st.st_dev, st.st_ino)
         self.fd = fd
+        import torch  # here, not at the top: the registry imports this module before READY
+
         self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
 
     def tensor(self, offset: int, nbytes: int, where: str) -> torch.Tensor:

@@ -193,10 +193,27 @@ class Metrics:
             "kvd_replays_total",
             "Replay requests answered (counted by the replay thread, its only writer).",
         )
+        self.replays_abandoned = self.counter(
+            "kvd_replays_abandoned_total",
+            "Replay answers given up on: the peer left, or read nothing for 5 s.",
+        )
+        self.replays_dropped = self.counter(
+            "kvd_replays_dropped_total",
+            "Replay requests dropped unanswered: 4 of the peer's, or 1,024 in all, in progress.",
+        )
         self.leases_expired = self.counter(
             "kvd_leases_expired_total",
             "Caches detached because their engine was gone (connection closed or no heartbeat "
             "for engine_lease_s).",
+        )
+        self.journal_errors = self.counter(
+            "kvd_journal_errors_total",
+            "Journal writes that failed (a full runtime directory): the requests of a launch "
+            "are refused with journal_unavailable, an outcome is written later.",
+        )
+        self.connections_refused = self.counter(
+            "kvd_connections_refused_total",
+            "Peer connections closed on arrival because max_connections were open.",
         )
         self.handler_errors = self.labelled_counter(
             "kvd_handler_errors_total",

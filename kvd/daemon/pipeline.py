@@ -24,14 +24,14 @@ import msgspec
 
 from kvd.daemon.batcher import Batch, Batcher
 from kvd.daemon.executor import Executor, Job, WorkItem
-from kvd.daemon.journal import Journal, Launch, Outcome, Recovered
+from kvd.daemon.journal import Journal, JournalError, Outcome, Recovered
 from kvd.daemon.ledger import Ledger, Request, State
 from kvd.daemon.logs import RateLimitedLog
 from kvd.daemon.metrics import Metrics
 from kvd.daemon.publisher import Publisher
 from kvd.daemon.registry import Registry
 from kvd.daemon.timers import WindowTimer
-from kvd.daemon.validate import Accept, InFlight, Rejection, Repeat, identify, validate_read_done
+from kvd.daemon.validate import InFlight, Rejection, Repeat, Route, identify, validate_read_done
 from kvd.daemon.window import AutoWindow
 from kvd.protocol import (
     UNATTACHED_TOPIC,
@@ -160,13 +160,16 @@ class Pipeline:
     def _read_done(self, msg: ReadDone) -> None:
         received_ns = time.monotonic_ns()
         verdict = validate_read_done(msg, self.registry, self.ledger)
-        if not self.accepting and isinstance(verdict, Accept | Rejection):
+        if not isinstance(verdict, Route):
+            if not self.accepting and isinstance(verdict, Rejection):
+                self._reject(msg, Reason.SHUTTING_DOWN, "kvd is draining")
+            else:
+                self._known_or_refused(msg, verdict)
+        elif not self.accepting:
             self._reject(msg, Reason.SHUTTING_DOWN, "kvd is draining")
-            return
-        if isinstance(verdict, Accept):
-            if not verdict.needs_work(msg):
-                self._answer_at_once(msg, received_ns)
-                return
+        elif not verdict.needs_work(msg.covered_sub_blocks, len(msg.physical_block_ids)):
+            self._answer_at_once(msg, received_ns)
+        else:
             request = Request(
                 req_id=msg.req_id,
                 cache_id=msg.cache_id,
@@ -183,8 +186,6 @@ class Pipeline:
             self.batcher.add(
                 request, received_ns, idle=self.executor.has_capacity(), held=len(self.ledger)
             )
-        else:
-            self._known_or_refused(msg, verdict)
 
     def _known_or_refused(
         self, msg: ReadDone | ReadFailed, verdict: Rejection | Repeat | InFlight
@@ -202,28 +203,27 @@ class Pipeline:
     def _answer_at_once(self, msg: ReadDone, received_ns: int) -> None:
         """Nothing to rewrite (NHD -> NHD, MLA, no blocks): Ready without the executor.
 
-        Nothing is touched, so nothing is recorded: a repeat is checked and answered afresh.
+        Nothing is touched, so no outcome is recorded: a repeat is checked and answered afresh.
         """
+        cache_id = msg.cache_id
         elapsed_ns = time.monotonic_ns() - received_ns
-        self.publisher.publish(
-            msg.cache_id,
-            Ready(
-                req_id=msg.req_id,
-                cache_id=msg.cache_id,
-                physical_block_ids=msg.physical_block_ids,
-                remote_engine_id=msg.remote_engine_id,
+        self._publish(
+            cache_id,
+            self._event(
+                msg.req_id,
+                cache_id,
+                msg.generation,
+                msg.physical_block_ids,
+                msg.remote_engine_id,
                 elapsed_us=elapsed_ns // 1000,
-                generation=msg.generation,
-                epoch=self.publisher.epoch,
             ),
         )
         self._count_answer(True, elapsed_ns)
-        self.ledger.untouched.put(Outcome(msg.cache_id, msg.req_id, msg.generation, "", "", [], ""))
+        self.ledger.untouched.put((cache_id, msg.req_id), (msg.generation, "", ""))
 
     def _count_answer(self, ready: bool, elapsed_ns: int) -> None:
         metrics = self.metrics
         (metrics.ready if ready else metrics.failed).value += 1
-        metrics.events.value += 1
         metrics.read_done_to_ready.observe(elapsed_ns / 1e9)
 
     def _read_failed(self, msg: ReadFailed) -> None:
@@ -266,24 +266,18 @@ class Pipeline:
             return  # nobody to answer: counted and logged only
         attached = cache_id in self.registry
         ids = getattr(source, "physical_block_ids", [])
-        self.publisher.publish(
-            cache_id if attached else UNATTACHED_TOPIC,
-            Failed(
-                req_id=req_id,
-                cache_id=cache_id,
-                code=code,
-                message=message,
-                invalid_block_ids=ids[:_IDS_IN_REJECTIONS],
-                remote_engine_id=source.remote_engine_id,
-                generation=source.generation,
-                epoch=self.publisher.epoch,
-            ),
+        event = self._event(
+            req_id,
+            cache_id,
+            source.generation,
+            ids[:_IDS_IN_REJECTIONS],
+            source.remote_engine_id,
+            code=code,
+            message=message,
         )
-        self.metrics.events.value += 1
+        self._publish(cache_id if attached else UNATTACHED_TOPIC, event)
         if attached:
-            self.ledger.untouched.put(
-                Outcome(cache_id, req_id, source.generation, code, message, [], "")
-            )
+            self.ledger.untouched.put((cache_id, req_id), (source.generation, code, message))
 
     # -- settings -------------------------------------------------------------------------------
 
@@ -324,10 +318,9 @@ class Pipeline:
             self._timer.arm(deadline)
 
     def _launch(self, batches: list[Batch]) -> None:
-        items = []
-        launches: list[Launch] = []
         now = time.monotonic_ns()
         cpu_ns = time.thread_time_ns()
+        launching = []
         for batch in batches:
             cache = self.registry.get(batch.cache_id)
             assert cache is not None, "a cache cannot be detached while requests are in flight"
@@ -338,21 +331,36 @@ class Pipeline:
                 for request in batch.requests:
                     self._finish_untouched(request, Reason.MEMORY_UNAVAILABLE, problem)
                 continue
+            launching.append((batch, cache))
+        if not launching:
+            return
+        # On record before any byte moves: a crash from here on is reported by the next start.
+        try:
+            self.journal.launched(r.launch_record() for b, _ in launching for r in b.requests)
+        except JournalError as exc:
+            # No block is rewritten without its Launch record: refuse them, untouched.
+            self._journal_failed(exc)
+            message = f"{exc}; the blocks are untouched, send the notification again later"
+            for batch, _ in launching:
+                for request in batch.requests:
+                    self._finish_untouched(request, Reason.JOURNAL_UNAVAILABLE, message)
+            return
+        items = []
+        for batch, cache in launching:
             for request in batch.requests:
                 self.ledger.advance(request, State.LAUNCHED)
                 self.metrics.queue_wait.observe((now - request.received_ns) / 1e9)
-                launches.append(request.launch_record())
             rewrites = cache.rewrites(batch.remote_format, batch.remote_block_size)
             requests = [(r.physical_block_ids, r.covered_sub_blocks) for r in batch.requests]
             items.append(WorkItem(batch, rewrites, requests, batch.num_blocks * cache.work_bytes))
             self.metrics.batch_blocks.observe(batch.num_blocks)
             self.metrics.batches.value += 1
-        if not items:
-            return
-        # On record before any byte moves: a crash from here on is reported by the next start.
-        self.journal.launched(launches)
         self._launch_cpu_ns.append(time.thread_time_ns() - cpu_ns)
         self.executor.submit(Job(items))
+
+    def _journal_failed(self, exc: JournalError) -> None:
+        self.metrics.journal_errors.value += 1
+        self._rejection_log.warning("journal", "the journal cannot be written: %s", exc)
 
     def job_launched(self, job: Job) -> None:
         """``ready_cuda_event``: announce each request whose launch was enqueued, with the
@@ -367,10 +375,7 @@ class Pipeline:
                 continue
             item.announced = True
             for request in item.batch.requests:
-                elapsed_ns = time.monotonic_ns() - request.received_ns
-                event = self._event(request, "", "", elapsed_ns, item.cuda_event)
-                self.publisher.publish(request.cache_id, event)
-                self._count_answer(True, elapsed_ns)
+                self._announce(request, item.cuda_event)
 
     def _job_done(self, job: Job) -> None:
         # Jobs finish in the order they were submitted (one worker thread, one waiter).
@@ -396,10 +401,17 @@ class Pipeline:
                 finished.append((request, self._outcome(request), item.announced))
         if self._crash_at == "after_transform":
             os.kill(os.getpid(), signal.SIGKILL)
-        self.journal.finished(outcome for _, outcome, _ in finished)
+        try:
+            self.journal.finished(outcome for _, outcome, _ in finished)
+        except JournalError as exc:
+            # The work is done and stays announced; the journal writes the outcomes later.
+            self._journal_failed(exc)
         for request, outcome, announced in finished:
             self._finish(request, outcome, announce=not announced)
-        self.journal.rotate_if_full(r.launch_record() for r in self.ledger.launched())
+        try:
+            self.journal.rotate_if_full(r.launch_record() for r in self.ledger.launched())
+        except JournalError as exc:
+            self._journal_failed(exc)  # the current segment stays in use
         # What the job cost: the work it took, on the loop and the device. Not wall time: waits
         # for the GIL or a wake-up overlap with other work, and batching does not save them.
         self.auto.job(
@@ -424,11 +436,7 @@ class Pipeline:
         """Publish the one event of a request (unless ``job_launched`` did) and retire it from
         the ledger; ``outcome`` is remembered when the request's blocks were touched."""
         if announce:
-            elapsed_ns = time.monotonic_ns() - request.received_ns
-            code, message = request.error or ("", "")
-            event = self._event(request, code, message, elapsed_ns)
-            self.publisher.publish(request.cache_id, event)
-            self._count_answer(not code, elapsed_ns)
+            self._announce(request)
         self.ledger.publish(request, outcome)
         if self._drained is not None and not self.ledger and not self._drained.done():
             self._drained.set_result(None)
@@ -440,57 +448,79 @@ class Pipeline:
         request.error = (code, message)
         self.metrics.rejections.inc(code)
         self._finish(request, None)
-        self.ledger.untouched.put(self._outcome(request))
+        self.ledger.untouched.put(request.key, (request.generation, code, message))
+
+    def _announce(self, request: Request, cuda_event: bytes = b"") -> None:
+        """Publish the one event of an accepted request and count it as answered."""
+        elapsed_ns = time.monotonic_ns() - request.received_ns
+        code, message = request.error or ("", "")
+        event = self._event(
+            request.req_id,
+            request.cache_id,
+            request.generation,
+            request.physical_block_ids,
+            request.remote_engine_id,
+            code=code,
+            message=message,
+            elapsed_us=elapsed_ns // 1000,
+            cuda_event=cuda_event,
+        )
+        self._publish(request.cache_id, event)
+        self._count_answer(not code, elapsed_ns)
 
     def _event(
-        self, request: Request, code: str, message: str, elapsed_ns: int, cuda_event: bytes = b""
+        self,
+        req_id: str,
+        cache_id: str,
+        generation: int,
+        block_ids: list[int],
+        remote_engine_id: str,
+        *,
+        code: str = "",
+        message: str = "",
+        elapsed_us: int = 0,
+        cuda_event: bytes = b"",
     ) -> Ready | Failed:
+        """The one place an event is made: Ready when ``code`` is empty, else Failed naming
+        ``block_ids`` as invalid; stamped with this run's epoch."""
         if not code:
             return Ready(
-                req_id=request.req_id,
-                cache_id=request.cache_id,
-                physical_block_ids=request.physical_block_ids,
-                remote_engine_id=request.remote_engine_id,
-                elapsed_us=elapsed_ns // 1000,
-                generation=request.generation,
+                req_id=req_id,
+                cache_id=cache_id,
+                physical_block_ids=block_ids,
+                remote_engine_id=remote_engine_id,
+                elapsed_us=elapsed_us,
+                generation=generation,
                 epoch=self.publisher.epoch,
                 cuda_event=cuda_event,
             )
         return Failed(
-            req_id=request.req_id,
-            cache_id=request.cache_id,
+            req_id=req_id,
+            cache_id=cache_id,
             code=code,
             message=message,
-            invalid_block_ids=request.physical_block_ids,
-            remote_engine_id=request.remote_engine_id,
-            generation=request.generation,
+            invalid_block_ids=block_ids,
+            remote_engine_id=remote_engine_id,
+            generation=generation,
             epoch=self.publisher.epoch,
         )
 
+    def _publish(self, topic: str, event: Ready | Failed) -> None:
+        self.publisher.publish(topic, event)
+        self.metrics.events.value += 1
+
     def _publish_outcome(self, outcome: Outcome) -> None:
         """Publish a recorded outcome again (a repeated notification, or after a restart)."""
-        if outcome.code:
-            event: Ready | Failed = Failed(
-                req_id=outcome.req_id,
-                cache_id=outcome.cache_id,
-                code=outcome.code,
-                message=outcome.message,
-                invalid_block_ids=outcome.block_ids,
-                remote_engine_id=outcome.remote_engine_id,
-                generation=outcome.generation,
-                epoch=self.publisher.epoch,
-            )
-        else:
-            event = Ready(
-                req_id=outcome.req_id,
-                cache_id=outcome.cache_id,
-                physical_block_ids=outcome.block_ids,
-                remote_engine_id=outcome.remote_engine_id,
-                generation=outcome.generation,
-                epoch=self.publisher.epoch,
-            )
-        self.publisher.publish(outcome.cache_id, event)
-        self.metrics.events.value += 1
+        event = self._event(
+            outcome.req_id,
+            outcome.cache_id,
+            outcome.generation,
+            outcome.block_ids,
+            outcome.remote_engine_id,
+            code=outcome.code,
+            message=outcome.message,
+        )
+        self._publish(outcome.cache_id, event)
 
     # -- lifecycle ------------------------------------------------------------------------------
 

@@ -8,7 +8,8 @@ buffer still held.
 
 Replays are served by a thread of their own, so a replay of the whole buffer never stalls the
 event loop; the buffer is bounded by events per topic and by bytes in all, and a replay goes out
-through a bounded queue per peer, so a peer that does not read cannot make kvd hold more.
+through a bounded queue per peer, so a peer that does not read cannot make kvd hold more. The
+thread serves every peer in turn, never waiting on one: a stalled peer delays nobody.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import islice
 
 import msgspec
 import zmq
@@ -32,25 +34,44 @@ log = logging.getLogger(__name__)
 _MORE = int(zmq.SNDMORE) | int(zmq.NOBLOCK)
 _LAST = int(zmq.NOBLOCK)
 
-REPLAY_QUEUE = 1024
-"""Frames queued per replaying peer before kvd waits for it to read."""
+EVENT_OVERHEAD = 4 << 10
+"""What an event adds to the block ids it echoes from its notification (fields, a message)."""
+
+
+def peer_queue(queue_bytes: int, max_message_bytes: int) -> int:
+    """Messages of the largest event that fit in ``queue_bytes``: a ZMQ queue is counted in
+    messages, so this bounds it by bytes."""
+    return max(1, queue_bytes // (max_message_bytes + EVENT_OVERHEAD))
+
+
 REPLAY_STALL_S = 5.0
 """How long a replay waits for a peer that stopped reading before giving up on it."""
+REPLAY_ANSWERS = 1024
+"""Replay answers in progress at once, all peers together."""
+REPLAY_ANSWERS_PER_PEER = 4
+"""Replay answers in progress for one peer: one peer's requests cannot crowd out others'."""
+REPLAY_REQUEST_BYTES = 64 << 10
+"""Largest replay request read; a peer that sends more is disconnected by ZMQ."""
+REPLAY_RETRY_MS = 2
+"""While no peer took a message, how often their queues are looked at again."""
 
 
 @dataclass(slots=True)
 class _Topic:
     frame: bytes
     next_seq: int
-    events: deque[tuple[int, bytes]]
+    payloads: deque[bytes]
+    """The newest events of the topic, oldest first: seqs ``next_seq - len(payloads)`` on."""
 
 
 class EventLog:
     """Per-topic sequence numbers and the recent encoded events of each topic.
 
     Holds at most ``capacity`` events per topic and ``max_bytes`` of payloads in all (the
-    oldest events of all go first). Appends come from the event loop, reads from the replay
-    thread: a lock guards both, held only to copy references.
+    oldest events of all go first). Nothing else grows: the order of events across topics,
+    kept for that eviction, is compacted whenever it names ``capacity`` events more than are
+    held. Appends come from the event loop, reads from the replay thread: a lock guards both,
+    held only to copy references.
     """
 
     def __init__(self, capacity: int, max_bytes: int = 256 << 20) -> None:
@@ -59,8 +80,14 @@ class EventLog:
         self.capacity = capacity
         self.max_bytes = max_bytes
         self.nbytes = 0
+        self.held = 0
+        """Events held, all topics together."""
         self._topics: dict[str, _Topic] = {}
-        self._order: deque[tuple[_Topic, int, int]] = deque()  # (topic, seq, size), oldest first
+        self._order: deque[tuple[str, int]] = deque()
+        """(topic, seq) of events in the order they were appended, oldest first; some may
+        already be gone (dropped by their topic's capacity) until the next compaction. By
+        name: a tuple of a str and an int is not tracked by the garbage collector, and a
+        full collection would otherwise walk every one of them."""
         self._lock = threading.Lock()
 
     def append(self, topic: str, payload: bytes) -> tuple[bytes, int]:
@@ -71,35 +98,48 @@ class EventLog:
                 entry = _Topic(topic.encode(), 1, deque())
                 self._topics[topic] = entry
             seq = entry.next_seq
-            entry.next_seq += 1
-            size = len(payload)
-            entry.events.append((seq, payload))
-            self._order.append((entry, seq, size))
-            self.nbytes += size
-            if len(entry.events) > self.capacity:
-                self.nbytes -= len(entry.events.popleft()[1])
+            entry.next_seq = seq + 1
+            payloads = entry.payloads
+            payloads.append(payload)
+            self._order.append((topic, seq))
+            self.nbytes += len(payload)
+            if len(payloads) > self.capacity:
+                self.nbytes -= len(payloads.popleft())
+            else:
+                self.held += 1
             while self.nbytes > self.max_bytes and self._order:
                 self._evict_oldest()
+            if len(self._order) > self.held + self.capacity:
+                self._order = deque(e for e in self._order if self._held(*e))
             return entry.frame, seq
 
     def _evict_oldest(self) -> None:
-        entry, seq, _ = self._order.popleft()
+        topic, seq = self._order.popleft()
         # Per-topic order is global order, so the oldest event overall is its topic's oldest,
         # unless the per-topic capacity already dropped it.
-        if entry.events and entry.events[0][0] == seq:
-            self.nbytes -= len(entry.events.popleft()[1])
+        if self._held(topic, seq):
+            self.nbytes -= len(self._topics[topic].payloads.popleft())
+            self.held -= 1
+
+    def _held(self, topic: str, seq: int) -> bool:
+        """Whether event ``seq`` of ``topic`` is still held (a topic holds its newest seqs)."""
+        entry = self._topics[topic]
+        return seq >= entry.next_seq - len(entry.payloads)
 
     def since(self, topic: str, from_seq: int) -> tuple[list[tuple[int, bytes]], int, int]:
         """Buffered events of ``topic`` with seq >= from_seq, and the (oldest, newest) held."""
         with self._lock:
             entry = self._topics.get(topic)
-            if entry is None or not entry.events:
+            if entry is None or not entry.payloads:
                 return [], 0, 0
-            oldest, newest = entry.events[0][0], entry.events[-1][0]
+            payloads = entry.payloads
+            newest = entry.next_seq - 1
+            oldest = newest - len(payloads) + 1
             if from_seq > newest:
                 return [], oldest, newest
             skip = max(0, from_seq - oldest)
-            events = [entry.events[i] for i in range(skip, len(entry.events))]
+            seqs = range(oldest + skip, newest + 1)
+            events = list(zip(seqs, islice(payloads, skip, None), strict=True))
         return events, oldest, newest
 
     def last_seq(self, topic: str) -> int:
@@ -134,24 +174,44 @@ class ReplayServer:
     """Answers ``Replay`` requests on a ROUTER socket from a thread of its own.
 
     The socket belongs to the thread from ``start`` on. Each answer is the buffered events
-    from the requested seq, then a ``ReplayEnd``; a peer that stops reading for
-    ``REPLAY_STALL_S`` or goes away is given up on (its subscription asks again).
+    from the requested seq, then a ``ReplayEnd``. Answers in progress are served in turn, each
+    as far as its peer's queue (``queue`` messages) takes it, so a peer that does not read
+    delays nobody: it is given up on after ``REPLAY_STALL_S`` without progress, and forgotten
+    as soon as it disconnects. At most ``REPLAY_ANSWERS`` answers are in progress, and
+    ``REPLAY_ANSWERS_PER_PEER`` for one peer; a request past that is dropped and counted (its
+    subscription asks again).
     """
 
     def __init__(
-        self, sock: zmq.Socket[bytes], events: EventLog, epoch: int, answered: Counter
+        self,
+        sock: zmq.Socket[bytes],
+        events: EventLog,
+        epoch: int,
+        answered: Counter,
+        *,
+        abandoned: Counter,
+        dropped: Counter,
+        queue: int,
     ) -> None:
         self._sock = sock
-        sock.setsockopt(zmq.SNDHWM, REPLAY_QUEUE)
+        sock.setsockopt(zmq.SNDHWM, queue)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # A request is a topic and a seq: anything larger is not one (ZMQ drops the peer).
+        sock.setsockopt(zmq.MAXMSGSIZE, REPLAY_REQUEST_BYTES)
         self._log = events
         self._epoch = epoch
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(Replay)
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvd-replay", daemon=True)
+        self._answers: deque[_Answer] = deque()
+        self._per_peer: dict[bytes, int] = {}
+        # Counted by this thread, their only writer.
         self.answered = answered
-        self.abandoned = 0
+        self.abandoned = abandoned
+        """Answers given up on: the peer stopped reading, or left."""
+        self.dropped = dropped
+        """Requests dropped because too many answers were in progress."""
 
     def start(self) -> None:
         self._thread.start()
@@ -163,23 +223,39 @@ class ReplayServer:
 
     def _run(self) -> None:
         sock = self._sock
+        wait_ms = 100
         while not self._stopping.is_set():
-            if not sock.poll(100, zmq.POLLIN):
-                continue
+            if sock.poll(wait_ms, zmq.POLLIN):
+                self._take_requests()
+            progressed = self._serve()
+            # Idle: wake for requests. Peers that did not read: look at their queues soon.
+            wait_ms = 0 if progressed else (REPLAY_RETRY_MS if self._answers else 100)
+
+    def _take_requests(self) -> None:
+        for _ in range(REPLAY_ANSWERS):  # a budget, so answers in progress get their turn
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                continue
+                return
             try:
-                self._answer(frames)
+                self._start(frames)
             # One bad request must not end the thread that serves every replay.
             except Exception:
                 log.exception("replay request failed")
 
-    def _answer(self, frames: list[bytes]) -> None:
+    def _start(self, frames: list[bytes]) -> None:
         if len(frames) < 2:
             return
         envelope, body = frames[:-1], frames[-1]
+        peer = envelope[0]
+        if (
+            len(self._answers) >= REPLAY_ANSWERS
+            or self._per_peer.get(peer, 0) >= REPLAY_ANSWERS_PER_PEER
+        ):
+            self.dropped.value += 1
+            log.warning("too many replays in progress: a request is dropped")
+            return
+        self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
         try:
             request = self._decoder.decode(body)
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
@@ -192,34 +268,79 @@ class ReplayServer:
                 code=Reason.INVALID_MESSAGE,
                 message=str(exc)[:1000],
             )
-            self._send([*envelope, b"", encode_seq(END_SEQ), self._encoder.encode(end)])
+            self._answers.append(_Answer(envelope, b"", [], self._encoder.encode(end)))
             return
         events, oldest, newest = self._log.since(request.topic, request.from_seq)
-        topic = request.topic.encode()
-        for seq, payload in events:
-            if not self._send([*envelope, topic, encode_seq(seq), payload]):
-                self.abandoned += 1
-                return
         end = ReplayEnd(
             topic=request.topic, oldest_seq=oldest, newest_seq=newest, epoch=self._epoch
         )
-        if self._send([*envelope, topic, encode_seq(END_SEQ), self._encoder.encode(end)]):
-            self.answered.value += 1
+        answer = _Answer(envelope, request.topic.encode(), events, self._encoder.encode(end))
+        self._answers.append(answer)
 
-    def _send(self, frames: list[bytes]) -> bool:
-        """Send one answer frame set; False when the peer is gone or stopped reading."""
-        deadline = time.monotonic() + REPLAY_STALL_S
-        while True:
+    def _serve(self) -> bool:
+        """Send each answer in progress as far as its peer takes it; True if any frame went."""
+        progressed = False
+        now = time.monotonic()
+        for _ in range(len(self._answers)):
+            answer = self._answers.popleft()
             try:
-                self._sock.send_multipart(frames, zmq.NOBLOCK)
-                return True
-            except zmq.Again:
-                # The peer's queue is full (or it is still connecting): wait for it to read.
-                if time.monotonic() > deadline or self._stopping.is_set():
-                    log.warning("replay peer stopped reading; its replay is abandoned")
-                    return False
-                time.sleep(0.001)
+                sent = self._send(answer)
             except zmq.ZMQError as exc:
-                if exc.errno == zmq.EHOSTUNREACH:
-                    return False  # the peer disconnected
-                raise
+                if exc.errno != zmq.EHOSTUNREACH:
+                    raise
+                self._forget(answer)  # the peer disconnected
+                self.abandoned.value += 1
+                continue
+            if sent:
+                progressed = True
+                answer.stalled_since = now
+            elif now - answer.stalled_since > REPLAY_STALL_S:
+                self._forget(answer)
+                self.abandoned.value += 1
+                log.warning("replay peer stopped reading; its replay is abandoned")
+                continue
+            if not answer.done:
+                self._answers.append(answer)
+                continue
+            self._forget(answer)
+            if answer.topic:
+                self.answered.value += 1
+        return progressed
+
+    def _forget(self, answer: _Answer) -> None:
+        peer = answer.envelope[0]
+        left = self._per_peer[peer] - 1
+        if left:
+            self._per_peer[peer] = left
+        else:
+            del self._per_peer[peer]
+
+    def _send(self, answer: _Answer) -> int:
+        """Send what the peer's queue takes now; returns how many messages went."""
+        sock, envelope, topic = self._sock, answer.envelope, answer.topic
+        sent = 0
+        try:
+            while answer.next < len(answer.events):
+                seq, payload = answer.events[answer.next]
+                sock.send_multipart([*envelope, topic, encode_seq(seq), payload], zmq.NOBLOCK)
+                answer.next += 1
+                sent += 1
+            sock.send_multipart([*envelope, topic, encode_seq(END_SEQ), answer.end], zmq.NOBLOCK)
+            answer.done = True
+            sent += 1
+        except zmq.Again:
+            pass  # the peer's queue is full (or it is still connecting): its turn comes again
+        return sent
+
+
+@dataclass(slots=True)
+class _Answer:
+    """A replay in progress: the events still to send to one peer, then its ``ReplayEnd``."""
+
+    envelope: list[bytes]
+    topic: bytes
+    events: list[tuple[int, bytes]]
+    end: bytes
+    next: int = 0
+    done: bool = False
+    stalled_since: float = field(default_factory=time.monotonic)

@@ -7,17 +7,29 @@ bytes is already reachable through another attached tensor.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING, TypeVar
 
 from kvd.daemon.ledger import RemoteFormat
 from kvd.daemon.memory import AttachError, SharedSegment, Span
 from kvd.daemon.sockets import Connection
-from kvd.kernels import CachePostProcess
 from kvd.layout.formats import has_heads, legacy_remote_format
 from kvd.layout.geometry import TensorGeometry
 from kvd.protocol import PageFormat, Reason, TensorSpec
+
+if TYPE_CHECKING:  # loaded by the first Attach (attach.py), after READY
+    import torch
+
+    from kvd.daemon.validate import Rejection, Route, RouteKey
+    from kvd.kernels.postprocess import CachePostProcess
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+ROUTES_PER_CACHE = 64
+"""Routes (and their kernel passes) a cache remembers: a peer that names ever new remote
+formats or block sizes makes kvd decide again, not hold more."""
 
 
 @dataclass(slots=True)
@@ -72,6 +84,8 @@ class AttachedCache:
     """Why the cache's memory can no longer be touched (set once; requests then fail)."""
     detaching: str | None = None
     """Why the cache is being detached: new notifications are refused, those in flight end."""
+    routes: dict[RouteKey, Route | Rejection] = field(default_factory=dict)
+    """Each remote side seen, decided once (``validate.route``); at most ``ROUTES_PER_CACHE``."""
     _rewrites: dict[tuple[RemoteFormat, int], list[Rewrite]] = field(default_factory=dict)
 
     def rewrites(self, remote: RemoteFormat, remote_block_size: int) -> list[Rewrite]:
@@ -89,7 +103,7 @@ class AttachedCache:
             ]
             for rewrite in known:  # the format pair is checked now, not on the executor
                 rewrite.needs_work(0, 0)
-            self._rewrites[key] = known
+            remember(self._rewrites, key, known)
         return known
 
     def memory_problem(self) -> str | None:
@@ -114,6 +128,14 @@ class AttachedCache:
         return sum(p.block_bytes for p in self.postprocesses.values())
 
 
+def remember(memo: dict[K, V], key: K, value: V) -> V:
+    """Store ``value`` in a per-cache memo, forgetting the oldest entry past the bound."""
+    if len(memo) >= ROUTES_PER_CACHE:
+        del memo[next(iter(memo))]
+    memo[key] = value
+    return value
+
+
 def _remote_for(local: PageFormat, remote: RemoteFormat) -> PageFormat:
     """The remote page format of ``local``'s tensors: given, or the legacy order applied."""
     if isinstance(remote, PageFormat):
@@ -124,12 +146,12 @@ def _remote_for(local: PageFormat, remote: RemoteFormat) -> PageFormat:
 
 
 class Registry:
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: str) -> None:
         self.device = device
+        """The daemon's device, ``'cpu'`` or ``'cuda:N'`` (``server.parse_device``)."""
         self._caches: dict[str, AttachedCache] = {}
-
-    def get(self, cache_id: str) -> AttachedCache | None:
-        return self._caches.get(cache_id)
+        self.get: Callable[[str], AttachedCache | None] = self._caches.get
+        """The attached cache of an id, or None (the dict's own method: a hot path)."""
 
     def __contains__(self, cache_id: str) -> bool:
         return cache_id in self._caches
@@ -150,26 +172,34 @@ class Registry:
         self._caches[cache.cache_id] = cache
 
     def overlap(self, cache: AttachedCache) -> str | None:
-        """Why some byte of ``cache`` is reachable twice (within it or through another cache)."""
-        seen: list[tuple[str, str, Span]] = [
-            (other.cache_id, t.spec.name, t.span)
+        """Why some byte of ``cache`` is reachable twice (within it or through another cache).
+
+        O(n log n) in the tensors attached, this one's included: spans sorted by backing and
+        start, each checked against the one before it that reaches furthest. Attached caches
+        never overlap each other, so any overlap found involves ``cache``.
+        """
+        # (span, tensor index in this Attach or -1, owner, name)
+        spans = [
+            (t.span, -1, other.cache_id, t.spec.name)
             for other in self._caches.values()
             for t in other.tensors
         ]
-        for i, t in enumerate(cache.tensors):
-            for owner, name, span in seen:
-                if t.span.overlaps(span):
-                    where = (
-                        "another tensor of this Attach"
-                        if owner == cache.cache_id
-                        else (f"cache {owner!r}")
-                    )
-                    return (
-                        f"tensors[{i}].memory: bytes {t.span.start}..{t.span.end} overlap "
-                        f"{name!r} of {where} (bytes {span.start}..{span.end}); kvd would "
-                        "rewrite them twice"
-                    )
-            seen.append((cache.cache_id, t.spec.name, t.span))
+        spans += [(t.span, i, cache.cache_id, t.spec.name) for i, t in enumerate(cache.tensors)]
+        spans.sort(key=lambda s: (s[0].backing, s[0].start))
+        furthest = spans[0] if spans else None
+        for entry in spans[1:]:
+            assert furthest is not None
+            if entry[0].overlaps(furthest[0]):
+                ours, theirs = sorted((entry, furthest), key=lambda s: s[1], reverse=True)
+                span, i, _, _ = ours
+                other, _, owner, name = theirs
+                where = "another tensor of this Attach" if theirs[1] >= 0 else f"cache {owner!r}"
+                return (
+                    f"tensors[{i}].memory: bytes {span.start}..{span.end} overlap {name!r} of "
+                    f"{where} (bytes {other.start}..{other.end}); kvd would rewrite them twice"
+                )
+            if entry[0].backing != furthest[0].backing or entry[0].end > furthest[0].end:
+                furthest = entry
         return None
 
     def remove(self, cache_id: str) -> AttachedCache:

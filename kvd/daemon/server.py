@@ -1,10 +1,14 @@
 """The daemon's lifecycle: startup -> main loop -> shutdown.
 
-Startup binds every socket and opens the device, and only then reports ready (to systemd too,
-with READY=1). SIGTERM or SIGINT starts a graceful drain, bounded by ``drain_timeout_s``: new
-notifications are answered with Failed(shutting_down), accepted ones are finished and published,
-then sockets close before the context. A second signal forces the exit, answering what is still
-unfinished with Failed(shutting_down).
+Startup binds every socket, opens a CUDA device and recovers the journal, and only then reports
+ready (to systemd too, with READY=1). A CPU daemon gets there without torch, numpy or the kernels,
+most of a start's time: they load just after READY, off the loop (``load_kernels``), so a
+restarted kvd is back for its engines as soon as it can be.
+
+SIGTERM or SIGINT starts a graceful drain, bounded by ``drain_timeout_s``: new notifications
+are answered with Failed(shutting_down), accepted ones are finished and published, then sockets
+close before the context. A second signal forces the exit, answering what is still unfinished
+with Failed(shutting_down).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import secrets
 import signal
 import sys
@@ -19,7 +24,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
 import zmq
 
 from kvd import __version__
@@ -31,30 +35,28 @@ from kvd.daemon.journal import Journal, JournalError
 from kvd.daemon.metrics import Metrics
 from kvd.daemon.metrics_http import HEALTH_PATH, READY_PATH, MetricsServer, parse_metrics_addr
 from kvd.daemon.pipeline import Pipeline
-from kvd.daemon.publisher import Publisher, ReplayServer
+from kvd.daemon.publisher import Publisher, ReplayServer, peer_queue
 from kvd.daemon.registry import Registry
 from kvd.daemon.sdnotify import Notifier
 from kvd.daemon.sockets import (
+    FD_RESERVE,
+    HANDSHAKE_S,
+    ConnectionGuard,
     EndpointError,
     RuntimeLock,
     SocketReader,
     bind,
     normalize_endpoint,
     prepare_runtime_dir,
+    raise_fd_limit,
     remove_runtime_files,
     write_endpoints,
 )
 from kvd.daemon.timers import Every
 from kvd.endpoints import Endpoints, default_runtime_dir
-from kvd.kernels import cpu as kernels_cpu
-from kvd.kernels.device import lane_for
 
 log = logging.getLogger(__name__)
 
-INGEST_QUEUE = 65536
-"""Notifications queued per engine connection before its PUSH waits."""
-EVENTS_QUEUE = 1_000_000
-"""Events queued per subscriber before it misses some (and replays them)."""
 EXIT_DEVICE_FAILED = 3
 """Exit status after the device failed (a sticky CUDA error): only a new process gets a working
 CUDA context, so kvd exits and its service manager restarts it (``Restart=on-failure``)."""
@@ -64,31 +66,55 @@ EXECUTOR_GRACE_S = 1.0
 # How often STATUS= is refreshed for `systemctl status` (only sent when it changed).
 STATUS_INTERVAL_S = 5.0
 _HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_DEVICE = re.compile(r"(cpu|cuda)(?::(\d+))?")
 
 
 class StartupError(RuntimeError):
     """The daemon cannot start; the message says what to change."""
 
 
-def parse_device(spec: str) -> torch.device:
-    try:
-        device = torch.device(spec)
-    except RuntimeError as exc:
-        raise StartupError(f"device: {spec!r} is not a device ('cpu' or 'cuda[:N]')") from exc
-    if device.type not in ("cpu", "cuda"):
+def parse_device(spec: str) -> str:
+    """The daemon's device, ``'cpu'`` or ``'cuda:N'``; a CUDA one is checked and initialised.
+
+    Only a CUDA device imports torch here: a CPU daemon's torch loads after READY.
+    """
+    match = _DEVICE.fullmatch(spec)
+    if match is None:
         raise StartupError(f"device: {spec!r} is not supported; use 'cpu' or 'cuda[:N]'")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise StartupError(f"device: {spec!r} was asked for, but CUDA is not available here")
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if index >= torch.cuda.device_count():
-            raise StartupError(
-                f"device: {spec!r}: only {torch.cuda.device_count()} CUDA devices are visible"
-            )
-        device = torch.device("cuda", index)
-        torch.cuda.set_device(device)
-        torch.cuda.init()  # type: ignore[no-untyped-call]
-    return device
+    if match[1] == "cpu":
+        return "cpu"
+    import torch
+
+    if not torch.cuda.is_available():
+        raise StartupError(f"device: {spec!r} was asked for, but CUDA is not available here")
+    index = int(match[2]) if match[2] is not None else torch.cuda.current_device()
+    if index >= torch.cuda.device_count():
+        raise StartupError(
+            f"device: {spec!r}: only {torch.cuda.device_count()} CUDA devices are visible"
+        )
+    device = torch.device("cuda", index)
+    torch.cuda.set_device(device)
+    torch.cuda.init()  # type: ignore[no-untyped-call]
+    return str(device)
+
+
+def load_kernels(device: str) -> None:
+    """Import torch, numpy and the kernels (a second idle, tens beside busy engines).
+
+    Run off the loop just after READY, so the first Attach finds them loaded; an Attach that
+    comes sooner imports them in its own worker thread (the import lock makes it wait for this).
+    """
+    try:
+        from kvd.daemon import attach  # noqa: F401  (imported for its imports)
+        from kvd.kernels import cpu
+    except ImportError as exc:
+        log.error("cannot load the kernels (%s): every Attach will fail", exc)
+        return
+    if device == "cpu" and not cpu.available():
+        log.warning(
+            "the compiled CPU kernel is not built (no C compiler at install time?): the "
+            "post-process uses plain torch ops, several times slower"
+        )
 
 
 class Server:
@@ -114,6 +140,7 @@ class Server:
         self._control: Control | None = None
         self._ingest_reader: SocketReader | None = None
         self._replay: ReplayServer | None = None
+        self._connections: ConnectionGuard | None = None
         self._metrics_server: MetricsServer | None = None
         self._timers: list[Every] = []
         self._last_status = ""
@@ -147,13 +174,8 @@ class Server:
         config = self.config
         loop = asyncio.get_running_loop()
         device = parse_device(config.device)
-        if config.ready_cuda_event and device.type != "cuda":
+        if config.ready_cuda_event and device == "cpu":
             raise StartupError("ready_cuda_event: CUDA events need a daemon on a CUDA device")
-        if device.type == "cpu" and not kernels_cpu.available():
-            log.warning(
-                "the compiled CPU kernel is not built (no C compiler at install time?): the "
-                "post-process uses plain torch ops, several times slower"
-            )
         runtime_dir = (
             Path(config.runtime_dir) if config.runtime_dir else default_runtime_dir(config.gpu)
         )
@@ -172,10 +194,12 @@ class Server:
         # A hard ceiling well above the limit we report on, so oversized frames still get a
         # Failed answer instead of a silent disconnect.
         ingest.setsockopt(zmq.MAXMSGSIZE, max(16 * config.max_message_bytes, 64 << 20))
-        # Past this many queued notifications the engine's PUSH waits: memory stays bounded.
-        ingest.setsockopt(zmq.RCVHWM, INGEST_QUEUE)
+        # What kvd queues per peer, bounded by bytes: past it an engine's notifications wait in
+        # the engine, a subscriber misses events (and replays them).
+        queue = peer_queue(config.peer_queue_bytes, config.max_message_bytes)
+        ingest.setsockopt(zmq.RCVHWM, queue)
         events = self._socket(zmq.PUB)
-        events.setsockopt(zmq.SNDHWM, EVENTS_QUEUE)
+        events.setsockopt(zmq.SNDHWM, queue)
         replay = self._socket(zmq.ROUTER)
         control = self._socket(zmq.ROUTER)
         # Larger control frames close the sender's connection instead of being read.
@@ -186,6 +210,10 @@ class Server:
             "events": bind(events, wanted["events"], "events"),
             "replay": bind(replay, wanted["replay"], "replay"),
         }
+
+        self._connections = self._guard_connections(
+            loop, {"control": control, "ingest": ingest, "events": events, "replay": replay}
+        )
 
         registry = Registry(device)
         self._registry = registry
@@ -201,8 +229,12 @@ class Server:
         def executor_factory(
             loop: asyncio.AbstractEventLoop, done: Callable[[Job], None]
         ) -> Executor:
-            if device.type == "cuda":
-                lane = lane_for(device, config.stream_priority)
+            if device != "cpu":
+                import torch
+
+                from kvd.kernels.device import lane_for
+
+                lane = lane_for(torch.device(device), config.stream_priority)
                 return CudaExecutor(
                     loop,
                     done,
@@ -243,6 +275,15 @@ class Server:
             lambda: len(pipeline.ledger),
         )
         self.metrics.gauge("kvd_attached_caches", "Caches attached.", lambda: len(registry))
+        connections = self._connections
+        self.metrics.gauge(
+            "kvd_peer_connections", "Peer connections open, all sockets.", lambda: len(connections)
+        )
+        self.metrics.gauge(
+            "kvd_journal_failing",
+            "1 while the launch journal cannot be written (new work is refused), else 0.",
+            lambda: journal.problem is not None,
+        )
         self.metrics.gauge(
             "kvd_batch_window_seconds",
             "The batching window in force (with batch_window_us = auto, kvd's latest choice).",
@@ -271,7 +312,15 @@ class Server:
         )
         self._control.after_reply = control_reader.poke
         self._readers = [self._ingest_reader, control_reader]
-        self._replay = ReplayServer(replay, publisher.log, epoch, self.metrics.replays)
+        self._replay = ReplayServer(
+            replay,
+            publisher.log,
+            epoch,
+            self.metrics.replays,
+            abandoned=self.metrics.replays_abandoned,
+            dropped=self.metrics.replays_dropped,
+            queue=queue,
+        )
         self._replay.start()
         for sig in _HANDLED_SIGNALS:
             loop.add_signal_handler(sig, self.handle_exit, sig)
@@ -295,6 +344,24 @@ class Server:
         self._announce_ready(loop)
         if self.on_ready is not None:
             self.on_ready(self)
+        loop.run_in_executor(None, load_kernels, device)
+
+    def _guard_connections(
+        self, loop: asyncio.AbstractEventLoop, sockets: dict[str, zmq.Socket[bytes]]
+    ) -> ConnectionGuard:
+        """Take every descriptor allowed, and keep peers from taking the last of them."""
+        limit = raise_fd_limit()
+        bound = self.config.max_connections
+        if bound > limit - FD_RESERVE:
+            bound = max(limit - FD_RESERVE, 1)
+            log.warning(
+                "max_connections lowered from %d to %d: the descriptor limit is %d "
+                "(raise LimitNOFILE)",
+                self.config.max_connections,
+                bound,
+                limit,
+            )
+        return ConnectionGuard(loop, sockets, bound, self.metrics.connections_refused)
 
     async def _start_metrics(self) -> str:
         """Listen for scrapes if ``metrics_addr`` is set; returns the URL bound or ''."""
@@ -462,6 +529,8 @@ class Server:
         for reader in self._readers:
             reader.close()
         self._readers = []
+        if self._connections is not None:
+            self._connections.close()
         if self._replay is not None:
             self._replay.stop()
             self._replay = None
@@ -489,6 +558,7 @@ class Server:
         assert self._ctx is not None
         sock = self._ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
         self._sockets.append(sock)
         return sock
 

@@ -2,9 +2,14 @@
 the ledger.
 
 A ReadDone is one of: a notification kvd knows (in flight: absorbed; finished: answered with
-the outcome kvd recorded), a new one to accept, or a refusal with a reason code. The identity
-of a notification is (cache_id, req_id, generation); only a higher generation than the one
-recorded is processed again.
+the outcome kvd recorded), a new one to accept (its ``Route``), or a refusal with a reason
+code. The identity of a notification is (cache_id, req_id, generation); only a higher
+generation than the one recorded is processed again.
+
+A route (whether work is needed, the group shape, the kernel passes) is decided here, once per
+(cache, remote format, remote block size) as the notification states them, and remembered on
+the cache: every later notification on it costs one lookup plus the checks of its own block
+ids and generation.
 """
 
 from __future__ import annotations
@@ -13,11 +18,16 @@ from dataclasses import dataclass
 
 from kvd.daemon.journal import Outcome
 from kvd.daemon.ledger import Ledger, RemoteFormat
-from kvd.daemon.registry import AttachedCache, Registry, Rewrite
+from kvd.daemon.registry import AttachedCache, Registry, Rewrite, remember
 from kvd.layout.formats import FormatError, resolve
-from kvd.layout.geometry import check_block_ids, preview, resolve_remote_block_size
-from kvd.layout.planner import group_shape
-from kvd.protocol import PROTOCOL_VERSION, ReadDone, ReadFailed, Reason
+from kvd.layout.geometry import (
+    check_block_ids,
+    group_problem,
+    group_shape,
+    preview,
+    resolve_remote_block_size,
+)
+from kvd.protocol import PROTOCOL_VERSION, FormatRef, Layout, ReadDone, ReadFailed, Reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,22 +48,39 @@ class InFlight:
     """The same notification again while kvd still works on it: its one event answers both."""
 
 
-@dataclass(frozen=True, slots=True)
-class Accept:
+IN_FLIGHT = InFlight()
+
+RouteKey = tuple[FormatRef | None, Layout | None, int, int]
+"""A remote side as a ReadDone states it: (remote_format, remote_layout, block_size_ratio,
+remote_block_size)."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Route:
+    """How notifications from one remote side land in one cache: the resolved remote format
+    and block size, the group shape, the kernel passes, and whether a whole read moves bytes.
+    An accepted notification's verdict."""
+
     cache: AttachedCache
     remote_format: RemoteFormat
     remote_block_size: int
+    pages: int
+    """Local blocks per group (> 1 when a remote block spans several)."""
+    remote_pages: int
+    """Remote blocks per group (> 1 when several land in one local block)."""
     rewrites: list[Rewrite]
+    moves_bytes: bool
+    """Whether the format pair moves any byte of a fully covered group."""
 
-    def needs_work(self, msg: ReadDone) -> bool:
-        """Whether any byte of ``msg``'s blocks changes (the format pair or the coverage)."""
-        ids = msg.physical_block_ids
-        return bool(ids) and any(
-            r.needs_work(msg.covered_sub_blocks, len(ids)) for r in self.rewrites
-        )
+    def needs_work(self, covered: int, num_ids: int) -> bool:
+        """Whether any byte of a request of ``num_ids`` blocks changes: the format pair moves
+        bytes, or ``covered`` leaves pages (partly) unwritten, which are then zeroed."""
+        if not num_ids:
+            return False
+        return self.moves_bytes or 0 < covered < num_ids // self.pages * self.remote_pages
 
 
-Verdict = Accept | Rejection | Repeat | InFlight
+Verdict = Route | Rejection | Repeat | InFlight
 
 
 def identify(msg: ReadDone | ReadFailed, ledger: Ledger) -> Rejection | Repeat | InFlight | None:
@@ -62,7 +89,7 @@ def identify(msg: ReadDone | ReadFailed, ledger: Ledger) -> Rejection | Repeat |
     running = ledger.get(key)
     if running is not None:
         if msg.generation == running.generation:
-            return InFlight()
+            return IN_FLIGHT
         if msg.generation < running.generation:
             return _stale(msg, running.generation)
         return Rejection(
@@ -89,7 +116,7 @@ def _stale(msg: ReadDone | ReadFailed, newest: int) -> Rejection:
 
 
 def validate_read_done(msg: ReadDone, registry: Registry, ledger: Ledger) -> Verdict:
-    """The verdict on ``msg``: known, acceptable (with its resolved remote side), or refused."""
+    """The verdict on ``msg``: known, acceptable (its route), or refused."""
     if msg.v != PROTOCOL_VERSION:
         return Rejection(
             Reason.UNSUPPORTED_VERSION,
@@ -105,6 +132,39 @@ def validate_read_done(msg: ReadDone, registry: Registry, ledger: Ledger) -> Ver
         return Rejection(Reason.CACHE_DETACHED, cache.detaching)
     if cache.lost is not None:
         return Rejection(Reason.MEMORY_UNAVAILABLE, cache.lost)
+    key = (msg.remote_format, msg.remote_layout, msg.block_size_ratio, msg.remote_block_size)
+    found = cache.routes.get(key)
+    if found is None:
+        found = remember(cache.routes, key, route(cache, msg))
+    if isinstance(found, Rejection):
+        return found
+    ids = msg.physical_block_ids
+    bad = check_block_ids(ids, cache.num_blocks)
+    if bad is not None:
+        code = (
+            Reason.BLOCK_OUT_OF_RANGE if bad.fault == "out_of_range" else Reason.DUPLICATE_BLOCK_ID
+        )
+        return Rejection(code, f"physical_block_ids: {bad}")
+    # One local block per group and all of it covered (the common case) always fits.
+    if found.pages > 1 or msg.covered_sub_blocks:
+        broken = group_problem(len(ids), msg.covered_sub_blocks, found.pages, found.remote_pages)
+        if broken is not None:
+            field, why = broken
+            code = Reason.INVALID_RATIO if field == "physical_block_ids" else Reason.INVALID_MESSAGE
+            return Rejection(code, f"{field}: {why}")
+    busy = ledger.busy_blocks(msg.cache_id, ids)
+    if busy:
+        return Rejection(
+            Reason.BLOCK_IN_FLIGHT,
+            f"physical_block_ids: blocks {preview(busy)} belong to a request still in flight",
+        )
+    return found
+
+
+def route(cache: AttachedCache, msg: ReadDone) -> Route | Rejection:
+    """Decide the route of ``msg``'s remote side into ``cache`` (what ``validate_read_done``
+    remembers per ``RouteKey``): the remote format and block size resolved and checked against
+    the cache's formats, or why they cannot land in it."""
     remote = _remote_format(msg)
     if isinstance(remote, Rejection):
         return remote
@@ -119,34 +179,9 @@ def validate_read_done(msg: ReadDone, registry: Registry, ledger: Ledger) -> Ver
     except FormatError as exc:
         code = Reason.INVALID_FORMAT if msg.remote_format is not None else Reason.INVALID_LAYOUT
         return Rejection(code, f"{exc}")
-    ids = msg.physical_block_ids
-    bad = check_block_ids(ids, cache.num_blocks)
-    if bad is not None:
-        code = (
-            Reason.BLOCK_OUT_OF_RANGE if bad.fault == "out_of_range" else Reason.DUPLICATE_BLOCK_ID
-        )
-        return Rejection(code, f"physical_block_ids: {bad}")
     pages, remote_pages = group_shape(cache.block_size, remote_block_size)
-    if len(ids) % pages:
-        return Rejection(
-            Reason.INVALID_RATIO,
-            f"physical_block_ids: a remote block of {remote_block_size} tokens lands across "
-            f"{pages} local blocks of {cache.block_size}; {len(ids)} blocks are not whole groups",
-        )
-    holds = len(ids) // pages * remote_pages
-    if msg.covered_sub_blocks > holds:
-        return Rejection(
-            Reason.INVALID_MESSAGE,
-            f"covered_sub_blocks: {msg.covered_sub_blocks} remote blocks cannot land in "
-            f"{len(ids)} local blocks (they hold {holds})",
-        )
-    busy = ledger.busy_blocks(msg.cache_id, ids)
-    if busy:
-        return Rejection(
-            Reason.BLOCK_IN_FLIGHT,
-            f"physical_block_ids: blocks {preview(busy)} belong to a request still in flight",
-        )
-    return Accept(cache, remote, remote_block_size, rewrites)
+    moves_bytes = any(r.needs_work(0, 0) for r in rewrites)
+    return Route(cache, remote, remote_block_size, pages, remote_pages, rewrites, moves_bytes)
 
 
 def _remote_format(msg: ReadDone) -> RemoteFormat | Rejection:

@@ -25,7 +25,7 @@ import torch
 
 from kvd.client import Client
 from kvd.demo.content import request_tokens, token_rows
-from kvd.layout.planner import group_shape
+from kvd.layout.geometry import group_shape
 from kvd.nixl.mapping import local_blocks_needed
 from kvd.nixl.reader import Reader, ReadResult
 from kvd.protocol import Failed, Layout, Ready

@@ -8,13 +8,14 @@ ends the call with ``MemoryFault`` instead of the process.
 
 from __future__ import annotations
 
-import signal
+import functools
 from types import ModuleType
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvd.kernels.faults import MemoryFault
 from kvd.layout.planner import Plan
 
 _runs: ModuleType | None
@@ -31,20 +32,6 @@ THREADED_BYTES = 4 << 20
 _TORCH_CHUNK_BYTES = 1 << 20
 
 _TORCH_WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-
-
-class MemoryFault(RuntimeError):
-    """The kernel touched memory that is gone (SIGBUS: the engine truncated a shared-memory
-    file kvd maps; SIGSEGV: unmapped). Pages of the call may be partly rewritten."""
-
-    def __init__(self, signo: int, address: int) -> None:
-        try:
-            name = signal.Signals(signo).name
-        except ValueError:
-            name = f"signal {signo}"
-        super().__init__(f"{name} at address {address:#x} while rewriting pages")
-        self.signal = signo
-        self.address = address
 
 
 def available() -> bool:
@@ -74,7 +61,7 @@ def apply_runs(
     if pages.dtype != np.int64 or pages.ndim != 2 or pages.shape[1] != plan.pages_per_group:
         raise ValueError(f"pages must be int64 rows of {plan.pages_per_group} page addresses")
     pages = np.ascontiguousarray(pages)
-    moves, write_back = plan.moves, plan.write_back
+    moves, num_moves, write_back, num_write_back, distance = _plan_arguments(plan)
     if not threads:
         big = len(pages) * plan.group_bytes >= THREADED_BYTES
         threads = torch.get_num_threads() if big else 1
@@ -83,15 +70,29 @@ def apply_runs(
         len(pages),
         plan.pages_per_group,
         plan.page_bytes,
-        moves.ctypes.data,
-        len(moves),
-        write_back.ctypes.data,
-        len(write_back),
-        prefetch_distance(plan) if prefetch is None else prefetch,
+        moves,
+        num_moves,
+        write_back,
+        num_write_back,
+        distance if prefetch is None else prefetch,
         threads,
     )
     if fault is not None:
         raise MemoryFault(*fault)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_arguments(plan: Plan) -> tuple[int, int, int, int, int]:
+    """The kernel's arguments from ``plan``, made once per plan (numpy's ``ctypes`` and
+    ``mean`` cost microseconds a call): moves and write-back (address, rows), prefetch."""
+    moves, write_back = plan.moves, plan.write_back
+    return (
+        moves.ctypes.data,
+        len(moves),
+        write_back.ctypes.data,
+        len(write_back),
+        prefetch_distance(plan),
+    )
 
 
 def apply_runs_torch(region: torch.Tensor, groups: npt.NDArray[np.int64], plan: Plan) -> None:

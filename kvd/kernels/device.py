@@ -29,12 +29,6 @@ RING_SLOT_IDS = 1 << 16
 """Block ids one slot holds (256 KiB); a launch with more is split."""
 
 
-class DeviceFailed(RuntimeError):
-    """The device's context is broken (a sticky CUDA error such as an illegal address): every
-    later CUDA call fails, and what the work in flight wrote is unknown. Only a new process
-    gets a new context."""
-
-
 class CudaEvent(Protocol):
     def record(self, stream: Any) -> None: ...
 

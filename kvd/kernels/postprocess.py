@@ -26,7 +26,7 @@ import torch
 from kvd.kernels import cpu
 from kvd.layout import planner
 from kvd.layout.formats import KV, PageSizes, page_bytes, resolve
-from kvd.layout.geometry import TensorGeometry, check_block_ids
+from kvd.layout.geometry import TensorGeometry, check_block_ids, group_problem, group_shape
 from kvd.layout.planner import Plan
 from kvd.protocol import FormatRef, PageFormat
 
@@ -217,7 +217,7 @@ class CachePostProcess:
         With ``num_ids`` 0 (unknown) any ``covered`` but 0 counts as leaving pages unwritten.
         Raises ``FormatError``/``ValueError`` as ``apply`` would for the formats and sizes.
         """
-        pages, remote_pages = planner.group_shape(self.block_size, remote_block_size)
+        pages, remote_pages = group_shape(self.block_size, remote_block_size)
         if covered and (not num_ids or covered < num_ids // pages * remote_pages):
             return True
         key = (remote, remote_block_size)
@@ -239,7 +239,7 @@ class CachePostProcess:
         ``PlanError`` from the planner. ``MemoryFault`` when a page faults (the call stops;
         pages may be partly rewritten).
         """
-        pages, remote_pages = planner.group_shape(self.block_size, remote_block_size)
+        pages, remote_pages = group_shape(self.block_size, remote_block_size)
         full: list[int] = []
         partial: dict[int, list[int]] = {}
         unreached: list[int] = []
@@ -247,18 +247,12 @@ class CachePostProcess:
         for n, (request_ids, covered) in enumerate(requests):
             ids = list(request_ids)
             listed += ids
-            if len(ids) % pages:
-                raise ValueError(
-                    f"requests[{n}]: {len(ids)} block ids do not fill whole groups of {pages} "
-                    f"(remote block size {remote_block_size}, local {self.block_size})"
-                )
-            holds = len(ids) // pages * remote_pages
-            if covered < 0 or covered > holds:
-                raise ValueError(
-                    f"requests[{n}]: covered_sub_blocks {covered} is not in [0, {holds}] (the "
-                    f"remote pages {len(ids)} blocks hold)"
-                )
-            whole, part = divmod(covered or holds, remote_pages)
+            broken = group_problem(len(ids), covered, pages, remote_pages)
+            if broken is not None:
+                field, why = broken
+                what = "" if field == "physical_block_ids" else f"{field} "
+                raise ValueError(f"requests[{n}]: {what}{why}")
+            whole, part = divmod(covered or len(ids) // pages * remote_pages, remote_pages)
             full += ids[: whole * pages]
             if part:
                 partial.setdefault(part, []).append(ids[whole])

@@ -2,8 +2,8 @@
 
 Pure logic, no I/O: the registry calls ``cache_geometry`` on the ``TensorSpec``s of an Attach and
 opens memory only when every tensor passes. Also the checks every path shares on what a
-notification names: the block ids (``check_block_ids``) and the remote block size
-(``resolve_remote_block_size``).
+notification names: the block ids (``check_block_ids``), the remote block size
+(``resolve_remote_block_size``) and the pages one READ fills (``group_shape``).
 """
 
 from __future__ import annotations
@@ -281,6 +281,23 @@ def resolve_remote_block_size(
 BlockIdFault = Literal["out_of_range", "duplicate"]
 
 
+def group_shape(block_size: int, remote_block_size: int) -> tuple[int, int]:
+    """(local pages per group, remote pages per group) for local ``nD`` and remote ``nP``.
+
+    Raises ``ValueError`` unless one block size divides the other.
+    """
+    if block_size < 1 or remote_block_size < 1:
+        raise ValueError(f"block sizes must be >= 1, got {remote_block_size} -> {block_size}")
+    if block_size % remote_block_size == 0:
+        return 1, block_size // remote_block_size
+    if remote_block_size % block_size == 0:
+        return remote_block_size // block_size, 1
+    raise ValueError(
+        f"remote block size {remote_block_size} and local block size {block_size}: "
+        "neither divides the other"
+    )
+
+
 class BlockIdError(ValueError):
     """Block ids that cannot be rewritten; ``fault`` says why, the message names them."""
 
@@ -329,3 +346,22 @@ def _shape_hint(arrangement: KVArrangement, layout: Layout) -> str:
         "single": f"[num_blocks, {block}]",
         "mla": "[num_blocks, block_size, head_dim]",
     }[arrangement]
+
+
+def group_problem(
+    num_ids: int, covered: int, pages: int, remote_pages: int
+) -> tuple[Literal["physical_block_ids", "covered_sub_blocks"], str] | None:
+    """The group rule of one request, given its ``group_shape``: its ``num_ids`` local blocks
+    are whole groups of ``pages``, and ``covered`` (0: all) counts at most the remote pages
+    they hold. (field at fault, why) when it is broken, else None."""
+    if num_ids % pages:
+        return "physical_block_ids", (
+            f"{num_ids} block ids do not fill whole groups of {pages} (a remote block lands "
+            f"across {pages} local blocks)"
+        )
+    holds = num_ids // pages * remote_pages
+    if covered < 0 or covered > holds:
+        return "covered_sub_blocks", (
+            f"{covered} is not in [0, {holds}] (the remote blocks {num_ids} local blocks hold)"
+        )
+    return None

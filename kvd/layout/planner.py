@@ -32,6 +32,7 @@ from kvd.layout.formats import (
     page_bytes,
     page_layout,
 )
+from kvd.layout.geometry import group_shape
 from kvd.protocol import Axis, PageFormat
 
 MAX_PLAN_UNITS = 1 << 22
@@ -138,23 +139,6 @@ def _gather_index(plan: Plan, width: int) -> npt.NDArray[np.int64]:
 def _frozen(a: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
     a.setflags(write=False)
     return a
-
-
-def group_shape(block_size: int, remote_block_size: int) -> tuple[int, int]:
-    """(local pages per group, remote pages per group) for local ``nD`` and remote ``nP``.
-
-    Raises ``ValueError`` unless one block size divides the other.
-    """
-    if block_size < 1 or remote_block_size < 1:
-        raise ValueError(f"block sizes must be >= 1, got {remote_block_size} -> {block_size}")
-    if block_size % remote_block_size == 0:
-        return 1, block_size // remote_block_size
-    if remote_block_size % block_size == 0:
-        return remote_block_size // block_size, 1
-    raise ValueError(
-        f"remote block size {remote_block_size} and local block size {block_size}: "
-        "neither divides the other"
-    )
 
 
 def plan(

@@ -6,7 +6,7 @@ whose blocks hold everything of that block (both K and V for blocks-first). A NI
 moves one contiguous piece of one region.
 
 A remote block of ``nP`` tokens and a local one of ``nD`` make a *group*
-(``kvd.layout.planner.group_shape``), and the mapping goes both ways:
+(``kvd.layout.geometry.group_shape``), and the mapping goes both ways:
 
 - ``nP <= nD``, ``block_size_ratio`` r = nD / nP: remote blocks ``r*j .. r*j+r-1`` of a request
   land back to back in its local block ``j``: sub-block ``s`` of a local block starts

@@ -33,9 +33,9 @@ from kvd.layout.geometry import (
     GeometryError,
     TensorGeometry,
     cache_geometry,
+    group_shape,
     shape_geometry,
 )
-from kvd.layout.planner import group_shape
 from kvd.nixl import agent as nixl_agent
 from kvd.nixl.mapping import (
     MappingError,

@@ -25,9 +25,14 @@ from kvd.bench.vllm import Prefill, equal_to_baseline, run_decode
 from kvd.bench.vllm_engine import make_model, prompts
 from kvd.bench.vllm_report import mode_report
 from kvd.client import Client
-from kvd.daemon_process import DaemonProcess
+from kvd.daemon_process import DaemonError, DaemonProcess
 
 MAX_TOKENS = 16
+RESTART_S = 300.0
+"""How long a kvd may take to start, and how long the connector waits for a restarted one
+(``kvd_down_timeout_s``) in the restart test: far above any start here (READY took up to 22 s
+on a busy 2-CPU machine while it still imported torch first, and re-attaching still waits for
+torch), so the restarted kvd answers the requests, never a timeout; vLLM's runs stop at 600 s."""
 
 
 @dataclass
@@ -122,24 +127,39 @@ def test_stock_vllm_merges_cpu_pages_wrong(setup: Setup) -> None:
 def test_a_kvd_restart_mid_run_recomputes_and_nothing_hangs(setup: Setup, short_tmp: Path) -> None:
     """kvd kills itself right after its first transform, before the event leaves; a new kvd
     on the same runtime directory answers from the journal (interrupted), and the connector
-    turns that into a recompute."""
+    turns that into a recompute. Ordered by conditions only: the restart waits for the crash,
+    and the connector waits for the restarted kvd (its down timeout is out of reach)."""
     crashing = DaemonProcess(runtime_dir=short_tmp, env={"KVD_TEST_CRASH_AT": "after_transform"})
-    crashing.start()
+    crashing.start(timeout=RESTART_S)
     restarted: list[DaemonProcess] = []
+    errors: list[BaseException] = []
 
     def restart() -> None:
         assert crashing.proc is not None
         crashing.proc.wait()
-        restarted.append(DaemonProcess(runtime_dir=short_tmp).start())
+        daemon = DaemonProcess(runtime_dir=short_tmp)
+        restarted.append(daemon)
+        try:
+            daemon.start(timeout=RESTART_S)
+        except DaemonError as exc:
+            errors.append(exc)
 
     watcher = threading.Thread(target=restart, daemon=True)
     watcher.start()
     stats = setup.work / "stats-restart.json"
     try:
-        extra = {"kvd_runtime_dir": str(short_tmp), "kvd_stats_path": str(stats)}
+        extra = {
+            "kvd_runtime_dir": str(short_tmp),
+            "kvd_stats_path": str(stats),
+            "kvd_down_timeout_s": RESTART_S,
+        }
         result = setup.decode("stock", 64, extra=extra)
-        watcher.join(60)
-        assert restarted, "kvd never crashed: no request needed a transform?"
+        assert crashing.proc is not None and crashing.proc.poll() is not None, (
+            "kvd never crashed: no request needed a transform?"
+        )
+        # The decode is over: the restarted kvd answered it (or failed to start: ``errors``).
+        watcher.join(RESTART_S)
+        assert not watcher.is_alive() and not errors, errors
         # Recomputed from their prompts: every request but the control equals the baseline.
         assert setup.mismatches(result, control=False) == [], result["log"]
         figures = json.loads(stats.read_text())
@@ -148,7 +168,31 @@ def test_a_kvd_restart_mid_run_recomputes_and_nothing_hangs(setup: Setup, short_
     finally:
         crashing.kill()
         for daemon in restarted:
-            daemon.stop()
+            daemon.close()
+
+
+def test_a_kvd_gone_for_the_down_timeout_fails_what_is_held(setup: Setup, short_tmp: Path) -> None:
+    """The same crash with no kvd started again: once ``kvd_down_timeout_s`` has passed the
+    connector fails every request it holds, vLLM recomputes them, and nothing hangs. Nothing
+    else can answer them, so this path does not race either."""
+    crashing = DaemonProcess(runtime_dir=short_tmp, env={"KVD_TEST_CRASH_AT": "after_transform"})
+    crashing.start(timeout=RESTART_S)
+    stats = setup.work / "stats-gone.json"
+    try:
+        extra = {
+            "kvd_runtime_dir": str(short_tmp),
+            "kvd_stats_path": str(stats),
+            "kvd_down_timeout_s": 1.0,
+        }
+        result = setup.decode("stock", 64, extra=extra)
+        assert crashing.proc is not None and crashing.proc.poll() is not None, (
+            "kvd never crashed: no request needed a transform?"
+        )
+        assert setup.mismatches(result, control=False) == [], result["log"]
+        figures = json.loads(stats.read_text())
+        assert figures["failed"] >= 1, "no request was failed after the down timeout"
+    finally:
+        crashing.kill()
 
 
 def test_under_load_both_connectors_are_timed_and_kvd_decodes_the_single_instance(
