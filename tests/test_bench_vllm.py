@@ -98,6 +98,8 @@ def test_targets_are_met_or_missed_as_issue_19_states_them() -> None:
     [
         ("running", 0, "--running: 0 is not a positive integer"),
         ("arrival_prompt_tokens", 1010, "--arrival-prompt-tokens 1010 + --arrival-tokens 16"),
+        ("decode_block_size", 48, "--decode-block-size: 48 is not a multiple of"),
+        ("arrivals", 901, "--arrival-prompt-tokens: 900 is below --arrivals 901"),
     ],
 )
 def test_bad_sizes_are_refused_naming_the_option(option: str, value: int, reason: str) -> None:

@@ -1,12 +1,11 @@
 """``kvd bench vllm``: a real vLLM prefill/decode pair on CPU, with and without kvd, same run.
 
 Starts ``kvd serve``, one prefill instance (vLLM's NIXL connector) and, in turn, two decode
-instances of the same block size: one with vLLM's own connector, timing the post-process it runs
-inline (on CPU it is wrong: the figures are its cost, not its result), and one with
-``KvdConnector``. Each decodes the same requests one after the other. Reported: the time the
-decode worker spends per engine step on the post-process (stock: inline; kvd: the hand-off
-alone), read-done to Ready latency through kvd, and end-to-end request latency (prefill to last
-token) with and without kvd, with their ratios.
+instances of the same block size: vLLM's own connector, post-processing inline (on CPU it is
+wrong: the figures are its cost, not its result), and ``KvdConnector``, both timed the same way
+by ``kvd.bench.vllm_connectors``. Each runs the same requests one at a time, under load, or
+both (``HELP`` says what each figure is); ``kvd.bench.vllm_report`` turns what they recorded
+into the figures, the targets and the table.
 
 The process harness here (``Engine``, ``Prefill``) is also what tests/vllm uses.
 """
@@ -29,7 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kvd.bench.vllm_engine import STARTUP_S
+from kvd.bench.vllm_engine import MAX_MODEL_LEN, STARTUP_S, make_model, prompts
 from kvd.bench.vllm_report import mode_report, mode_table
 from kvd.daemon_process import DaemonProcess
 from kvd.progress import progress_bar
@@ -302,13 +301,26 @@ SIZES = (
 
 def check_arguments(args: argparse.Namespace) -> str | None:
     """Why ``args`` cannot run, naming the option; None when they can."""
-    from kvd.bench.vllm_engine import MAX_MODEL_LEN
-
     for name in SIZES:
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')}: {getattr(args, name)} is not a positive integer"
-    if args.prompt_tokens < args.requests:
-        return f"--prompt-tokens: {args.prompt_tokens} is below --requests {args.requests}"
+    if args.decode_block_size % args.prefill_block_size:
+        return (
+            f"--decode-block-size: {args.decode_block_size} is not a multiple of "
+            f"--prefill-block-size {args.prefill_block_size} (vLLM 0.32 pulls into whole "
+            "multiples only)"
+        )
+    # Prompts are N, N-1, ... tokens long: one token at least each.
+    for prompt, count in (
+        ("prompt_tokens", "requests"),
+        ("prompt_tokens", "running"),
+        ("arrival_prompt_tokens", "arrivals"),
+    ):
+        if getattr(args, prompt) < getattr(args, count):
+            return (
+                f"--{prompt.replace('_', '-')}: {getattr(args, prompt)} is below "
+                f"--{count} {getattr(args, count)}"
+            )
     for prompt, tokens in (
         ("prompt_tokens", "max_tokens"),
         ("prompt_tokens", "running_tokens"),
@@ -320,15 +332,11 @@ def check_arguments(args: argparse.Namespace) -> str | None:
                 f"--{tokens.replace('_', '-')} {getattr(args, tokens)} exceeds the model "
                 f"length {MAX_MODEL_LEN}"
             )
-    if args.arrival_prompt_tokens < args.arrivals:
-        return f"--arrival-prompt-tokens: {args.arrival_prompt_tokens} is below --arrivals"
     return None
 
 
 def load_requests(args: argparse.Namespace) -> dict[str, Any]:
     """The load run's prompts and lengths, as a decode instance's ``load`` config takes them."""
-    from kvd.bench.vllm_engine import prompts
-
     return {
         "running": prompts(tuple(args.prompt_tokens - i for i in range(args.running)), seed=1),
         "running_tokens": args.running_tokens,
@@ -348,8 +356,6 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    from kvd.bench.vllm_engine import make_model, prompts
-
     problem = check_arguments(args)
     if problem is not None:
         print(f"kvd bench vllm: {problem}", file=sys.stderr)
