@@ -155,7 +155,8 @@ class Executor:
         job.submitted_ns = time.monotonic_ns()
         self._outstanding += 1
         if (
-            self._outstanding == 1  # the worker is idle: nothing to overtake
+            self.inline_bytes
+            and self._outstanding == 1  # the worker is idle: nothing to overtake
             and not self._fail_first
             and sum(item.nbytes for item in job.items) <= self.inline_bytes
         ):
