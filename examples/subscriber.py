@@ -82,8 +82,9 @@ def main() -> int:
             for i, req_id in enumerate(req_ids):
                 blocks = [(2 * i) % 64, (2 * i + 1) % 64]
                 kvd.read_done(req_id, cache_id, blocks, remote_layout="HND", block_size_ratio=1)
-                # Blocks are reused round the cache: wait for kvd before naming them again.
-                while any(c.in_flight for c in kvd.status().caches if c.cache_id == cache_id):
+                # Blocks are reused round the cache: wait for kvd's answer before naming them
+                # again (a Status can overtake the ReadDone: "unknown" means not read yet).
+                while kvd.request_status(req_id, cache_id).state not in ("ready", "failed"):
                     time.sleep(0.001)
 
             outcomes = wait_for(kvd, cache_id, set(req_ids))

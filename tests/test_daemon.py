@@ -241,6 +241,21 @@ def test_bad_notifications_get_failed_events_and_touch_nothing(
     sub.close()
 
 
+def test_status_knows_a_request_that_needed_no_work(
+    client: Client, small_cache: tuple[str, ShmCache]
+) -> None:
+    """Nothing is recorded as an outcome for it (a repeat is checked afresh), but Status still
+    answers ``ready``: a scheduler that lost events must not take its blocks for lost."""
+    cache_id, _ = small_cache
+    req_id = unique("no-work")
+    sub = client.subscribe([cache_id])
+    client.read_done(req_id, cache_id, [3], remote_layout="NHD", block_size_ratio=1)
+    (delivery,) = collect(sub, 1)
+    assert isinstance(delivery.event, Ready) and delivery.event.req_id == req_id
+    assert client.request_status(req_id).state == "ready"
+    sub.close()
+
+
 def test_undecodable_and_oversized_frames(
     client: Client, small_cache: tuple[str, ShmCache]
 ) -> None:

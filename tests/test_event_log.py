@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 from kvd.daemon.publisher import EventLog
@@ -52,3 +54,13 @@ def test_since_returns_the_held_events_from_a_seq_with_the_range_held() -> None:
 def test_capacity_must_be_positive() -> None:
     with pytest.raises(ValueError, match="capacity must be >= 1"):
         EventLog(capacity=0)
+
+
+def test_the_order_across_topics_is_not_walked_by_the_garbage_collector() -> None:
+    """Its entries live as long as their events: tracked ones made every full collection walk
+    tens of thousands of them, microseconds of every notification's CPU time."""
+    log = EventLog(capacity=1000)
+    for i in range(2000):
+        log.append("ab"[i % 2], b"x")
+    gc.collect()  # a tuple of untracked items is untracked when a collection first sees it
+    assert not any(gc.is_tracked(entry) for entry in log._order)

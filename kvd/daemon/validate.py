@@ -59,9 +59,9 @@ remote_block_size)."""
 class Route:
     """How notifications from one remote side land in one cache: the resolved remote format
     and block size, the group shape, the kernel passes, and whether a whole read moves bytes.
-    An accepted notification's verdict."""
+    An accepted notification's verdict. It names no cache: the cache remembers it, and a
+    reference back would keep a detached cache's memory until a garbage collection."""
 
-    cache: AttachedCache
     remote_format: RemoteFormat
     remote_block_size: int
     pages: int
@@ -181,7 +181,7 @@ def route(cache: AttachedCache, msg: ReadDone) -> Route | Rejection:
         return Rejection(code, f"{exc}")
     pages, remote_pages = group_shape(cache.block_size, remote_block_size)
     moves_bytes = any(r.needs_work(0, 0) for r in rewrites)
-    return Route(cache, remote, remote_block_size, pages, remote_pages, rewrites, moves_bytes)
+    return Route(remote, remote_block_size, pages, remote_pages, rewrites, moves_bytes)
 
 
 def _remote_format(msg: ReadDone) -> RemoteFormat | Rejection:
