@@ -1,12 +1,10 @@
 """Runs post-process jobs off the event loop, on dedicated threads.
 
 The loop submits a ``Job`` (batches resolved to the tensors they touch) and gets the result
-back through ``loop.call_soon_threadsafe``; it never waits on the GPU, nor on compute beyond a
-small CPU job submitted while the worker is idle (``INLINE_BYTES``), which runs at once on the
-loop's thread: two thread hand-offs would cost it more than its kernel. Either way the result
-comes on a later turn of the loop, and only the tensors a job names are touched. A job's
-outcome is reported only after its work has completed: on the CPU when the kernel returns, on
-CUDA when the event recorded after its launches on the dedicated stream has completed.
+back through ``loop.call_soon_threadsafe``; it never waits on compute or on the GPU. The worker
+only touches the tensors a job names. A job's outcome is reported only after its work has
+completed: on the CPU when the kernel returns, on CUDA when the event recorded after its
+launches on the dedicated stream has completed.
 
 When the device itself fails (a sticky CUDA error: an illegal address, a kernel fault), every
 later CUDA call fails too and what the jobs in flight wrote is unknown. The executor then
@@ -107,11 +105,6 @@ class Job:
     to its event complete (CUDA). Waiting for the GIL or a wake-up is not work."""
 
 
-INLINE_BYTES = 512 << 10
-"""A CPU job of at most this many bytes, submitted while the worker is idle, runs on the
-submitting thread (the event loop): handing it to the worker and its result back costs two
-thread wake-ups, more than such a kernel takes."""
-
 DoneCallback = Callable[[Job], None]
 FatalCallback = Callable[[str], None]
 
@@ -123,7 +116,6 @@ class Executor:
     """
 
     capacity = 1
-    inline_bytes = INLINE_BYTES
 
     def __init__(
         self,
@@ -161,15 +153,6 @@ class Executor:
         """Run ``job``; ``on_done`` follows on the loop, never from inside this call."""
         job.submitted_ns = time.monotonic_ns()
         self._jobs.append(job)
-        if (
-            self.inline_bytes
-            and len(self._jobs) == 1  # the worker is idle: nothing to overtake
-            and not self._injected  # a test fault runs where it would in production: the worker
-            and sum(item.nbytes for item in job.items) <= self.inline_bytes
-        ):
-            if self._work(job):
-                self._loop.call_soon(self._finish, job)
-            return
         self._queue.put(job)
 
     def close(self, timeout: float | None = None) -> bool:
@@ -246,7 +229,6 @@ class CudaExecutor(Executor):
     """
 
     capacity = 2
-    inline_bytes = 0  # launches are asynchronous already: the loop never waits for the GPU
 
     def __init__(
         self,
