@@ -83,3 +83,35 @@ def test_soak_prints_the_rss_after_the_warm_up_and_at_the_end() -> None:
 def test_a_soak_warm_up_as_long_as_the_soak_is_a_usage_error() -> None:
     done = kvd("bench", "pipeline", "--soak", "100", "--soak-warmup", "100", timeout=60)
     assert done.returncode == 2 and "--soak-warmup must be in [1, --soak)" in done.stderr
+
+
+def test_an_event_the_target_dropped_fails_the_run_instead_of_hanging(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A target that publishes fewer events than it was sent (a queue that overflowed) ends
+    the measurement with MixError after the event timeout; the bench once waited for ever."""
+    import zmq
+
+    from kvd.bench import pipeline
+
+    monkeypatch.setattr(pipeline, "EVENT_TIMEOUT_S", 0.2)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    pull, pub = ctx.socket(zmq.PULL), ctx.socket(zmq.PUB)
+    ingest = f"inproc://ingest-{id(ctx)}"
+    events = f"inproc://events-{id(ctx)}"
+    pull.bind(ingest)
+    pub.bind(events)
+    target = pipeline.Target(ctx, ingest, events)
+    try:
+        # Connected: one event goes through, then the target stays silent.
+        while not target.sub.poll(10):
+            pub.send_multipart([pipeline.CACHE_ID.encode(), b"\0" * 8, b"x"])
+        assert pipeline._next_event(target, 0, 2) == b"x"
+        with pytest.raises(pipeline.MixError, match="after 1 of 2"):
+            while True:
+                pipeline._next_event(target, 1, 2)
+    finally:
+        target.close()
+        pull.close()
+        pub.close()
+        ctx.term()

@@ -97,6 +97,17 @@ def percentile(ordered: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
 
 
+def _next_event(target: Target, received: int, expected: int) -> bytes:
+    """The next event's payload; ``MixError`` after ``EVENT_TIMEOUT_S`` of silence (an event
+    the target dropped never comes: the run fails instead of waiting for ever)."""
+    if not target.sub.poll(int(EVENT_TIMEOUT_S * 1e3)):
+        raise MixError(
+            f"no event within {EVENT_TIMEOUT_S:.0f}s after {received} of {expected}: the "
+            "target dropped some (its queue for this subscriber overflowed?)"
+        )
+    return target.sub.recv_multipart()[2]
+
+
 class Target:
     """Sockets to one system under test: PUSH to its ingest, SUB on its events."""
 
@@ -200,8 +211,8 @@ def measure(
     start = time.perf_counter()
     sender.start()
     failed = 0
-    for _ in range(messages):
-        failed += _KIND.decode(target.sub.recv_multipart()[2]).type == "failed"
+    for received in range(messages):
+        failed += _KIND.decode(_next_event(target, received, messages)).type == "failed"
     elapsed = time.perf_counter() - start
     if target.pid:
         cpu_s = process_cpu_s(target.pid) - cpu_s
@@ -214,7 +225,7 @@ def measure(
         frame = make("lat")
         t0 = time.perf_counter_ns()
         target.push.send(frame)
-        failed += _KIND.decode(target.sub.recv_multipart()[2]).type == "failed"
+        failed += _KIND.decode(_next_event(target, 0, 1)).type == "failed"
         latencies.append((time.perf_counter_ns() - t0) / 1000)
     kernel_us = 0.0
     if metrics_url:
@@ -528,7 +539,12 @@ def run(args: argparse.Namespace) -> int:
         )
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     work = Path(tempfile.mkdtemp(prefix="kvd-bench-"))
-    kvd_args = ["--log-level", "warning"]
+    # A throughput run puts every notification in flight at once, and this process reads the
+    # events more slowly than kvd publishes them: kvd's default queue per subscriber (1,023
+    # events) drops part of such a burst, as it should for a subscriber that falls behind. The
+    # relays queue 1,000,000 events; kvd gets room for the whole burst too.
+    burst = args.messages + args.latency_samples
+    kvd_args = ["--log-level", "warning", "--peer-queue-bytes", str(burst * (2 << 20))]
     if args.transform == "layout":
         kvd_args += ["--metrics-addr", "0"]  # the executor's time per job, for the report
     if args.batch_window_us is not None:
@@ -588,6 +604,9 @@ def run(args: argparse.Namespace) -> int:
                         f"  CPU {figures.cpu_us:5.1f} us/msg{kernel}"
                     )
                     bar.update()
+    except MixError as exc:
+        print(f"kvd bench pipeline: {exc}", file=sys.stderr)
+        return 1
     finally:
         for target in targets.values():
             target.close()
