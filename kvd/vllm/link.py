@@ -100,6 +100,7 @@ class KvdLink:
         self.stats = stats
         self._stats_path = Path(stats_path) if stats_path else None
         self._stats_written = -1
+        self._stats_written_at = 0.0
         self._events: Subscription | None = None
         self._push: zmq.Socket[bytes] | None = None
         self._down_since = 0.0
@@ -234,9 +235,9 @@ class KvdLink:
         version = self.stats.absorb()  # always: the engine's records must not pile up
         if self._stats_path is None or version == self._stats_written:
             return
-        if not force and time.monotonic() - self.stats.written_at < STATS_EVERY_S:
+        if not force and time.monotonic() - self._stats_written_at < STATS_EVERY_S:
             return
         report: dict[str, Any] = self.stats.report()
         self._stats_path.write_text(json.dumps(report))
-        self.stats.written_at = time.monotonic()
+        self._stats_written_at = time.monotonic()
         self._stats_written = version

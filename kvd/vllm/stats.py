@@ -49,7 +49,6 @@ class HandoffStats:
         self.steps_to_release: dict[int, int] = {}
         """Engine steps from kvd's answer to the request's release -> requests (1: the next)."""
         self.version = 0
-        self.written_at = 0.0
 
     def step(
         self,
@@ -87,7 +86,4 @@ class HandoffStats:
             "handoff": self.handoff.report(),
             "ready_latency": self.ready_latency.report(),
             "steps_to_release": {str(k): v for k, v in sorted(self.steps_to_release.items())},
-            # The figures' latest samples, as earlier versions of this file had them.
-            "handoff_s": list(self.handoff.recent),
-            "ready_latency_s": list(self.ready_latency.recent),
         }
