@@ -109,7 +109,6 @@ class KvdWorker(NixlPullConnectorWorker):
         copy in the step that reports them finished, before kvd is told)."""
         self._holding = Holding()
         self._unsent: list[Held] = []
-        self._waits: list[int] = []
         self.stats = HandoffStats()
         group = extra.get("kvd_shm_group")
         self.allocation = (
@@ -270,7 +269,7 @@ class KvdWorker(NixlPullConnectorWorker):
                 self._hand_off(req_id, meta, link, results)
                 handed_off += 1
         if link.inbox or self._unsent:
-            released = self._take_answers(link)
+            released, waits = self._take_answers(link)
             results.finished_recving |= released.finished
             results.failed_recving |= released.failed
             if handed_off or released.finished:
@@ -279,7 +278,7 @@ class KvdWorker(NixlPullConnectorWorker):
                     handed_off,
                     len(released.failed),
                     released.latencies_s,
-                    self._waits,
+                    waits,
                 )
         elif handed_off:
             self.stats.step(time.perf_counter() - started, handed_off, 0, [], [])
@@ -311,11 +310,12 @@ class KvdWorker(NixlPullConnectorWorker):
         if state is State.UP and not link.send(_read_done(self.cache_id, held)):
             self._unsent.append(held)
 
-    def _take_answers(self, link: KvdLink) -> Released:
-        """kvd's answers and the link's notices so far; sends what could not go before."""
+    def _take_answers(self, link: KvdLink) -> tuple[Released, list[int]]:
+        """kvd's answers and the link's notices so far, and the steps each answer waited;
+        sends what could not go before."""
         released = Released()
         events: list[Event] = []
-        self._waits = []
+        waits: list[int] = []
         inbox = link.inbox
         while inbox:
             notice, queued_at = inbox.popleft()
@@ -330,7 +330,7 @@ class KvdWorker(NixlPullConnectorWorker):
                 events.append(notice)
                 # Steps from the one before kvd's answer reached the link to its release: 1 when
                 # it is released in the first step after it.
-                self._waits.append(link.steps - queued_at)
+                waits.append(link.steps - queued_at)
         released.merge(self._holding.answer(events))
         if self._unsent and link.state is State.UP:
             unsent, self._unsent = self._unsent, []
@@ -343,7 +343,7 @@ class KvdWorker(NixlPullConnectorWorker):
                 req_id,
                 self._holding.failures.pop(req_id, "kvd gone"),
             )
-        return released
+        return released, waits
 
     def shutdown(self) -> None:
         super().shutdown()
