@@ -456,7 +456,7 @@ def test_the_benchmark_page_is_rewritten_in_place_in_tiles_that_fit_registers() 
         assert prepared.in_place
         assert prepared.tile_words * prepared.width <= 64 * 1024
         assert prepared.tile_words <= prepared.num_warps * 32 * gpu.WORDS_PER_THREAD
-        assert prepared.slice_words * prepared.width == 128, "a program moves whole lines"
+        assert prepared.slice_words * prepared.width >= 128, "a program moves whole lines"
 
 
 # -- on a GPU -------------------------------------------------------------------------------------

@@ -221,3 +221,30 @@ def test_mixed_formats_in_one_cache() -> None:
     with pytest.raises(FormatError):
         mixed.apply([([1], 0)], "HND", 4)
     assert same_bytes(split.tensors[0], snapshot)
+
+
+def test_k_and_v_halves_that_move_alike_take_one_kernel_call(monkeypatch) -> None:
+    """A split cache's K and V pages share a plan for HND -> NHD: every layer's K and V half is
+    rewritten by one call (on CUDA one launch: each launch costs tens of microseconds of the
+    small-batch latency), while halves that move differently still get a call each."""
+    calls = []
+
+    def counted(table, plan):  # the real kernel, counted
+        calls.append(len(table))
+        return real(table, plan)
+
+    real = cpu.apply_runs
+    monkeypatch.setattr(cpu, "apply_runs", counted)
+    split = make_cache("NHD", dtype="bfloat16", block_size=8, num_blocks=6, layers=3)
+    requests = [([1, 4], 0)]
+    post = CachePostProcess(split.regions(), backend="c")
+    post.apply(requests, "HND", 8)
+    check_cache(split, requests, "HND", 8)
+    assert len(calls) == 1, calls
+    v_apart = PageFormat(k=("N", "H", "C"), v=("H", "N", "C"), regions="kv")
+    other = make_cache(v_apart, dtype="bfloat16", block_size=8, num_blocks=6)
+    crossed = PageFormat(k=("H", "N", "C"), v=("N", "H", "C"), regions="kv")
+    calls.clear()
+    CachePostProcess(other.regions(), backend="c").apply(requests, crossed, 8)
+    check_cache(other, requests, crossed, 8)
+    assert len(calls) == 2, calls

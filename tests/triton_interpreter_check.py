@@ -56,6 +56,7 @@ def check(
     *,
     two_pass: bool,
     partial: bool,
+    tile_bytes: int | None = None,
     heads: int = 3,
     head_dim: int = 4,
 ) -> str:
@@ -71,10 +72,10 @@ def check(
     requests = [(ids, covered)]
     name = (
         f"{remote}->{local} {nP}->{nD} {dtype} pages={pages_per_group} covered={covered} "
-        f"two_pass={two_pass}"
+        f"two_pass={two_pass}" + (f" tile={tile_bytes}" if tile_bytes else "")
     )
     saved = gpu.TILE_BYTES
-    gpu.TILE_BYTES = 0 if two_pass else saved
+    gpu.TILE_BYTES = 0 if two_pass else tile_bytes or saved
     post = cache.postprocess(lane=LANE)
     post.backend = "triton"  # the interpreter runs Triton on CPU memory
     try:
@@ -105,4 +106,8 @@ if __name__ == "__main__":
                 print(check(n, case, two_pass=two_pass, partial=partial), flush=True)
                 n += 1
     print(check(n, BENCH_PAGE, two_pass=False, partial=False, heads=8, head_dim=128), flush=True)
+    # Tiny tiles: components packed into many programs (2 -> 8), units moved in slices (32 -> 8).
+    for case in (("HND", "NHD", 8, 2, "bfloat16"), ("HND", "HND", 8, 32, "float32")):
+        n += 1
+        print(check(n, case, two_pass=False, partial=False, tile_bytes=32), flush=True)
     sys.exit(0)

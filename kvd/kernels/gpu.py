@@ -4,18 +4,22 @@ A plan is a word gather index over a group of pages (``Plan.gather_index``): wor
 group receives landed word ``index[i]``, or zero where it is -1. The kernels read each moving
 word once and write it once, in place; words already in place are neither read nor written.
 
-**In place, by closed slices** (``_permute_units``, the common path). The planner's moves are
-runs of whole head vectors (or token runs), so the index moves *units* of ``W`` words: unit
-``u`` receives unit ``src[u]`` whole. Words at offset ``o`` of a unit then come only from offset
-``o`` of another unit, so "every unit, offsets ``[o, o + SLICE)``" is closed under the
-permutation: a program that loads such a slice of every unit of one group, waits at a barrier,
-then stores it, never overwrites a word another program still has to read. The tile is bounded
-(``TILE_BYTES``: at most 32 words per thread, with one address per row rather than per word,
-so it fits in registers without spilling), however large the page: the benchmark's 128 KiB page
-of 512 head vectors (256 B each) is 2 programs of 16 warps, each moving one 128-byte line of
-every head vector. Narrower units give narrower slices (``cpu_attn_vec``'s token runs: 8-16 B),
-adjacent programs then take adjacent slices of the same page, so together they still read and
-write whole lines at about the same time.
+**In place, by closed sets of units** (``_permute_units``, the common path). The planner's
+moves are runs of whole head vectors (or token runs), so the index moves *units* of ``W`` words:
+unit ``u`` receives unit ``src[u]`` whole. The moving units fall apart into components (the
+cycles and chains of ``u <- src[u]``): a unit is only ever read by units of its own component,
+so a program that loads every unit of some whole components, waits at a barrier, then stores
+them, never overwrites a word another program still has to read. ``prepare`` packs components
+into programs of a bounded tile (``TILE_BYTES``, at most ``WORDS_PER_THREAD`` words per thread,
+one address per row rather than per word, so it fits in registers without spilling), moving
+whole units where the tile allows: the benchmark's 128 KiB HND -> NHD page is a transpose of
+8 x 64 head vectors, whose cycles have at most 3 units, so a program moves 63 whole 256-byte
+head vectors. Words at offset ``o`` of a unit come only from offset ``o`` of another unit, so
+a component too large for a tile is split into slices of the same offsets of every unit,
+closed as well; narrow slices are taken by adjacent programs, which then read and write whole
+lines at about the same time. Many small programs, rather than one that fills an SM's
+registers, let one program's stores overlap another's loads (a GPU run measured the whole-page
+slices of 2 x 64 KiB per page at 47% of a copy's bandwidth).
 
 **Two passes through a scratch** (``_gather_words``), when a group's units are too many for
 one tile (units of a word or two: e.g. a fine-grained format pair at a large page): gather each
@@ -47,8 +51,8 @@ import triton.language as tl
 from kvd.kernels.device import Lane
 from kvd.layout.planner import Plan
 
-TILE_BYTES = 64 * 1024
-"""Bytes a program of the in-place path holds: up to 16 warps x 32 threads x 32 words."""
+TILE_BYTES = 16 * 1024
+"""Bytes a program of the in-place path holds (at most 16 warps x 32 threads x 32 words)."""
 WORDS_PER_THREAD = 32
 SCRATCH_BYTES = 16 << 20
 """Scratch of the two-pass path: about a third of an H100/H200 L2 (50 MiB)."""
@@ -60,33 +64,38 @@ _WORDS = {4: tl.int32, 2: tl.int16, 1: tl.uint8}
 
 # Sizes that vary with the geometry are runtime arguments, not specialised on, so that one
 # compiled kernel serves many geometries (compiling costs about a second each).
-@triton.jit(do_not_specialize=["groups", "units", "units_per_page", "k"])
+@triton.jit(do_not_specialize=["groups", "programs", "units_per_page", "k"])
 def _permute_units(
     ids_ptr,  # int32: k block ids per group
     bases_ptr,  # int64: byte address of block 0, per region
     strides_ptr,  # int64: bytes from one block to the next, per region
-    src_ptr,  # int32 per unit: the unit it receives, -1 for zeros (== itself: in place)
+    src_ptr,  # int32 per unit: the unit it receives, -1 for zeros
+    members_ptr,  # int32 (programs, BLOCK_U): the moving units of each program, -1 after them
     groups,
-    units,
+    programs,
     units_per_page,
     k,
     UNIT: tl.constexpr,  # words per unit
     SLICE: tl.constexpr,  # words of each unit this program moves
-    BLOCK_U: tl.constexpr,  # units, rounded up to a power of two
+    BLOCK_U: tl.constexpr,  # units per program (a power of two)
     ALIGN: tl.constexpr,  # bytes every row's first word is aligned to
     WORD: tl.constexpr,
     WIDTH: tl.constexpr,  # bytes per word
 ):
+    # Adjacent programs: the slices of one set of units, then the sets of one group's pages.
     pid = tl.program_id(0).to(tl.int64)
     col = (pid % (UNIT // SLICE)) * (SLICE * WIDTH)
     rest = pid // (UNIT // SLICE)
+    p = rest % programs
+    rest = rest // programs
     g = rest % groups
     r = rest // groups
     base = tl.load(bases_ptr + r)
     stride = tl.load(strides_ptr + r)
-    u = tl.arange(0, BLOCK_U)
-    src = tl.load(src_ptr + u, mask=u < units, other=0)
-    moving = (u < units) & (src != u)
+    u = tl.load(members_ptr + p * BLOCK_U + tl.arange(0, BLOCK_U))
+    moving = u >= 0
+    u = tl.where(moving, u, 0)
+    src = tl.load(src_ptr + u, mask=moving, other=-1)
     loads = moving & (src >= 0)
     src = tl.where(loads, src, 0)
     src_block = tl.load(ids_ptr + g * k + src // units_per_page, mask=loads, other=0)
@@ -151,13 +160,15 @@ def _gather_words(
 class Prepared:
     """A plan's launch arguments on one device, made once and reused by every request.
 
-    In place (``unit_words`` > 0): ``index`` is each unit's source unit. Two-pass: ``index``
-    is each word's source word.
+    In place (``unit_words`` > 0): ``index`` is each unit's source unit, ``members`` the
+    units of each program. Two-pass: ``index`` is each word's source word.
     """
 
     plan: Plan
     width: int
     index: torch.Tensor
+    members: torch.Tensor | None = None
+    programs: int = 0
     unit_words: int = 0
     slice_words: int = 0
     block_units: int = 0
@@ -211,6 +222,44 @@ def unit_words(index: npt.NDArray[np.int64], page_words: int) -> int:
     return 1
 
 
+def components(sources: npt.NDArray[np.int64]) -> list[list[int]]:
+    """The moving units (``sources[u] != u``) grouped so that no unit is read by a unit of
+    another group: the cycles and chains of ``u <- sources[u]``, largest first."""
+    parent = list(range(len(sources)))
+
+    def root(u: int) -> int:
+        while parent[u] != u:
+            parent[u] = parent[parent[u]]
+            u = parent[u]
+        return u
+
+    moving = [u for u, s in enumerate(sources.tolist()) if s != u]
+    is_moving = set(moving)
+    for u in moving:
+        s = int(sources[u])
+        if s in is_moving:  # a source that stays put is never written: anyone may read it
+            parent[root(u)] = root(s)
+    found: dict[int, list[int]] = {}
+    for u in moving:
+        found.setdefault(root(u), []).append(u)
+    return sorted(found.values(), key=len, reverse=True)
+
+
+def pack(parts: list[list[int]], capacity: int) -> npt.NDArray[np.int32]:
+    """``parts`` (largest first, none above ``capacity``) packed first-fit into rows of
+    ``capacity`` units, padded with -1."""
+    rows: list[list[int]] = []
+    for part in parts:
+        row = next((r for r in rows if len(r) + len(part) <= capacity), None)
+        if row is None:
+            rows.append(row := [])
+        row += part
+    table = np.full((max(1, len(rows)), capacity), -1, dtype=np.int32)
+    for n, row in enumerate(rows):
+        table[n, : len(row)] = row
+    return table
+
+
 def prepare(plan: Plan, lane: Lane, alignment: int) -> Prepared:
     """``plan``'s launch arguments on ``lane``'s device, in the widest words every page address
     (all multiples of ``alignment``) and every run allow (under ``lane.launching()``)."""
@@ -221,18 +270,24 @@ def prepare(plan: Plan, lane: Lane, alignment: int) -> Prepared:
     page_words = plan.page_bytes // width
     unit = unit_words(np.asarray(index), page_words)
     units = len(index) // unit
-    block_units = triton.next_power_of_2(units)
-    tile = TILE_BYTES // width
-    if block_units > tile:
-        return Prepared(plan, width, lane.upload(np.asarray(index), torch.int32))
-    slice_words = min(unit, tile // block_units)
-    threads = max(32, block_units * slice_words // WORDS_PER_THREAD)
     rows = np.asarray(index).reshape(units, unit)[:, 0]
     sources = np.where(rows < 0, -1, rows // unit)
+    parts = components(sources)
+    largest = triton.next_power_of_2(max((len(p) for p in parts), default=1))
+    tile = TILE_BYTES // width
+    if largest > tile:
+        return Prepared(plan, width, lane.upload(np.asarray(index), torch.int32))
+    # Whole units where a tile holds the largest component whole, else slices of every unit.
+    slice_words = min(unit, tile // largest)
+    block_units = max(largest, min(tile // slice_words, triton.next_power_of_2(units)))
+    members = pack(parts, block_units)
+    threads = max(32, block_units * slice_words // WORDS_PER_THREAD)
     return Prepared(
         plan,
         width,
         lane.upload(sources, torch.int32),
+        members=lane.upload(members, torch.int32),
+        programs=len(members),
         unit_words=unit,
         slice_words=slice_words,
         block_units=block_units,
@@ -271,13 +326,14 @@ def apply_runs(
             n = len(chunk) // k
             slices = prepared.unit_words // prepared.slice_words
             with lane.ids.slot(chunk) as on_device:
-                compiled = _permute_units[(slices * n * where.count,)](
+                compiled = _permute_units[(slices * prepared.programs * n * where.count,)](
                     on_device,
                     where.bases,
                     where.strides,
                     prepared.index,
+                    prepared.members,
                     n,
-                    prepared.group_words // prepared.unit_words,
+                    prepared.programs,
                     plan.page_bytes // width // prepared.unit_words,
                     k,
                     UNIT=prepared.unit_words,

@@ -321,12 +321,23 @@ class CachePostProcess:
                 )
                 if plan.is_identity:
                     continue
-                prepared = None
-                if self.backend == "triton":
-                    from kvd.kernels import gpu
+                # K and V halves usually share a plan: one launch then covers both.
+                same = next((n for n, k in enumerate(known) if k.plan.same_moves(plan)), None)
+                if same is None:
+                    known.append(_Launch(bundle, plan))
+                    continue
+                first = known[same].bundle
+                joined = _Bundle(
+                    first.format, first.kv, first.sizes, first.regions + bundle.regions
+                )
+                known[same] = _Launch(joined, known[same].plan)
+            if self.backend == "triton":
+                from kvd.kernels import gpu
 
-                    prepared = gpu.prepare(plan, self.lane, bundle.alignment)
-                known.append(_Launch(bundle, plan, prepared))
+                known = [
+                    _Launch(k.bundle, k.plan, gpu.prepare(k.plan, self.lane, k.bundle.alignment))
+                    for k in known
+                ]
             self._launches[key] = known
         return known
 

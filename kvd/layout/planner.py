@@ -75,6 +75,14 @@ class Plan:
         same: npt.NDArray[np.bool_] = (page != ZERO) & (page * self.page_bytes + offset == dst)
         return same
 
+    def same_moves(self, other: Plan) -> bool:
+        """Whether ``other`` moves the same bytes of groups of the same shape."""
+        return (
+            self.pages_per_group == other.pages_per_group
+            and self.page_bytes == other.page_bytes
+            and np.array_equal(self.runs, other.runs)
+        )
+
     @property
     def is_identity(self) -> bool:
         """Every byte already sits where it belongs: nothing to do."""
