@@ -74,14 +74,16 @@ def check(
         f"{remote}->{local} {nP}->{nD} {dtype} pages={pages_per_group} covered={covered} "
         f"two_pass={two_pass}" + (f" tile={tile_bytes}" if tile_bytes else "")
     )
-    saved = gpu.TILE_BYTES
-    gpu.TILE_BYTES = 0 if two_pass else tile_bytes or saved
+    saved = gpu.TILE_BYTES, gpu.WHOLE_UNIT_BYTES
+    gpu.TILE_BYTES = 0 if two_pass else tile_bytes or saved[0]
+    if tile_bytes:  # the whole-components path, whatever the unit's size
+        gpu.WHOLE_UNIT_BYTES = 0
     post = cache.postprocess(lane=LANE)
     post.backend = "triton"  # the interpreter runs Triton on CPU memory
     try:
         post.apply(requests, remote, nP)
     finally:
-        gpu.TILE_BYTES = saved
+        gpu.TILE_BYTES, gpu.WHOLE_UNIT_BYTES = saved
     paths = {
         launch.prepared.in_place
         for launches in post._launches.values()
@@ -90,6 +92,14 @@ def check(
     }
     if paths - {not two_pass}:  # none when the pair needs no kernel (only zeroes)
         raise SystemExit(f"{name}: ran in_place={paths}, expected {not two_pass}")
+    by_members = {
+        launch.prepared.members is not None
+        for launches in post._launches.values()
+        for launch in launches
+        if launch.prepared is not None and launch.prepared.in_place
+    }
+    if tile_bytes and by_members != {True}:
+        raise SystemExit(f"{name}: not moved by whole components")
     try:
         check_cache(cache, requests, remote, nP)
     except AssertionError as exc:
@@ -106,7 +116,7 @@ if __name__ == "__main__":
                 print(check(n, case, two_pass=two_pass, partial=partial), flush=True)
                 n += 1
     print(check(n, BENCH_PAGE, two_pass=False, partial=False, heads=8, head_dim=128), flush=True)
-    # Tiny tiles: components packed into many programs (2 -> 8), units moved in slices (32 -> 8).
+    # Whole components in tiny tiles: packed into many programs (2 -> 8), in slices (32 -> 8).
     for case in (("HND", "NHD", 8, 2, "bfloat16"), ("HND", "HND", 8, 32, "float32")):
         n += 1
         print(check(n, case, two_pass=False, partial=False, tile_bytes=32), flush=True)

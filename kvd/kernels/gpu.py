@@ -6,20 +6,22 @@ word once and write it once, in place; words already in place are neither read n
 
 **In place, by closed sets of units** (``_permute_units``, the common path). The planner's
 moves are runs of whole head vectors (or token runs), so the index moves *units* of ``W`` words:
-unit ``u`` receives unit ``src[u]`` whole. The moving units fall apart into components (the
-cycles and chains of ``u <- src[u]``): a unit is only ever read by units of its own component,
-so a program that loads every unit of some whole components, waits at a barrier, then stores
-them, never overwrites a word another program still has to read. ``prepare`` packs components
-into programs of a bounded tile (``TILE_BYTES``, at most ``WORDS_PER_THREAD`` words per thread,
-one address per row rather than per word, so it fits in registers without spilling), moving
-whole units where the tile allows: the benchmark's 128 KiB HND -> NHD page is a transpose of
-8 x 64 head vectors, whose cycles have at most 3 units, so a program moves 63 whole 256-byte
-head vectors. Words at offset ``o`` of a unit come only from offset ``o`` of another unit, so
-a component too large for a tile is split into slices of the same offsets of every unit,
-closed as well; narrow slices are taken by adjacent programs, which then read and write whole
-lines at about the same time. Many small programs, rather than one that fills an SM's
-registers, let one program's stores overlap another's loads (a GPU run measured the whole-page
-slices of 2 x 64 KiB per page at 47% of a copy's bandwidth).
+unit ``u`` receives unit ``src[u]`` whole. A program loads a set of units, waits at a barrier,
+then stores them; the set must be closed (nothing it overwrites is still to be read by another
+program). Two kinds of closed set, chosen by the unit's size as an H200 measured them:
+
+- *Slices of every unit* (units under ``WHOLE_UNIT_BYTES``, e.g. 256-byte head vectors): words
+  at offset ``o`` of a unit come only from offset ``o`` of another unit, so "every unit, offsets
+  ``[o, o + SLICE)``" is closed. The benchmark's 128 KiB HND -> NHD page is 2 programs of 16
+  warps, each moving one 128-byte line of all 512 head vectors (47-56% of a copy's bandwidth;
+  whole components of such small units, in smaller tiles, reached only 24-26%).
+- *Whole components* (larger units, e.g. the 4 KiB token runs of a block merge): the moving
+  units fall apart into the cycles and chains of ``u <- src[u]``, each read only by its own
+  units; ``prepare`` packs whole components into programs of ``COMPONENT_TILE_BYTES`` (38-59%
+  of a copy's bandwidth, against 30-35% for slices of every unit).
+
+A tile is bounded (at most ``WORDS_PER_THREAD`` words per thread, one address per row rather
+than per word) so that it fits in registers without spilling.
 
 **Two passes through a scratch** (``_gather_words``), when a group's units are too many for
 one tile (units of a word or two: e.g. a fine-grained format pair at a large page): gather each
@@ -51,9 +53,13 @@ import triton.language as tl
 from kvd.kernels.device import Lane
 from kvd.layout.planner import Plan
 
-TILE_BYTES = 16 * 1024
-"""Bytes a program of the in-place path holds (at most 16 warps x 32 threads x 32 words)."""
+TILE_BYTES = 64 * 1024
+"""Bytes a program of the in-place path holds: up to 16 warps x 32 threads x 32 words."""
 WORDS_PER_THREAD = 32
+WHOLE_UNIT_BYTES = 1024
+"""Units at least this large are moved whole, by components; smaller ones in slices."""
+COMPONENT_TILE_BYTES = 32 * 1024
+COMPONENT_WORDS_PER_THREAD = 16
 SCRATCH_BYTES = 16 << 20
 """Scratch of the two-pass path: about a third of an H100/H200 L2 (50 MiB)."""
 _TWO_PASS_TILE_BYTES = 16 * 1024
@@ -64,17 +70,19 @@ _WORDS = {4: tl.int32, 2: tl.int16, 1: tl.uint8}
 
 # Sizes that vary with the geometry are runtime arguments, not specialised on, so that one
 # compiled kernel serves many geometries (compiling costs about a second each).
-@triton.jit(do_not_specialize=["groups", "programs", "units_per_page", "k"])
+@triton.jit(do_not_specialize=["groups", "programs", "units", "units_per_page", "k"])
 def _permute_units(
     ids_ptr,  # int32: k block ids per group
     bases_ptr,  # int64: byte address of block 0, per region
     strides_ptr,  # int64: bytes from one block to the next, per region
-    src_ptr,  # int32 per unit: the unit it receives, -1 for zeros
+    src_ptr,  # int32 per unit: the unit it receives, -1 for zeros (== itself: in place)
     members_ptr,  # int32 (programs, BLOCK_U): the moving units of each program, -1 after them
     groups,
     programs,
+    units,
     units_per_page,
     k,
+    EVERY_UNIT: tl.constexpr,  # slices of every unit (one program per slice), not members
     UNIT: tl.constexpr,  # words per unit
     SLICE: tl.constexpr,  # words of each unit this program moves
     BLOCK_U: tl.constexpr,  # units per program (a power of two)
@@ -92,10 +100,15 @@ def _permute_units(
     r = rest // groups
     base = tl.load(bases_ptr + r)
     stride = tl.load(strides_ptr + r)
-    u = tl.load(members_ptr + p * BLOCK_U + tl.arange(0, BLOCK_U))
-    moving = u >= 0
-    u = tl.where(moving, u, 0)
-    src = tl.load(src_ptr + u, mask=moving, other=-1)
+    if EVERY_UNIT:
+        u = tl.arange(0, BLOCK_U)
+        src = tl.load(src_ptr + u, mask=u < units, other=0)
+        moving = (u < units) & (src != u)
+    else:
+        u = tl.load(members_ptr + p * BLOCK_U + tl.arange(0, BLOCK_U))
+        moving = u >= 0
+        u = tl.where(moving, u, 0)
+        src = tl.load(src_ptr + u, mask=moving, other=-1)
     loads = moving & (src >= 0)
     src = tl.where(loads, src, 0)
     src_block = tl.load(ids_ptr + g * k + src // units_per_page, mask=loads, other=0)
@@ -167,8 +180,8 @@ class Prepared:
     plan: Plan
     width: int
     index: torch.Tensor
-    members: torch.Tensor | None = None
-    programs: int = 0
+    members: torch.Tensor | None = None  # None: slices of every unit
+    programs: int = 1
     unit_words: int = 0
     slice_words: int = 0
     block_units: int = 0
@@ -272,22 +285,30 @@ def prepare(plan: Plan, lane: Lane, alignment: int) -> Prepared:
     units = len(index) // unit
     rows = np.asarray(index).reshape(units, unit)[:, 0]
     sources = np.where(rows < 0, -1, rows // unit)
-    parts = components(sources)
-    largest = triton.next_power_of_2(max((len(p) for p in parts), default=1))
-    tile = TILE_BYTES // width
-    if largest > tile:
-        return Prepared(plan, width, lane.upload(np.asarray(index), torch.int32))
-    # Whole units where a tile holds the largest component whole, else slices of every unit.
-    slice_words = min(unit, tile // largest)
-    block_units = max(largest, min(tile // slice_words, triton.next_power_of_2(units)))
-    members = pack(parts, block_units)
-    threads = max(32, block_units * slice_words // WORDS_PER_THREAD)
+    if unit * width < WHOLE_UNIT_BYTES:
+        block_units = triton.next_power_of_2(units)
+        tile = TILE_BYTES // width
+        if block_units > tile:
+            return Prepared(plan, width, lane.upload(np.asarray(index), torch.int32))
+        slice_words = min(unit, tile // block_units)
+        members, per_thread = None, WORDS_PER_THREAD
+    else:
+        parts = components(sources)
+        largest = triton.next_power_of_2(max((len(p) for p in parts), default=1))
+        tile = min(TILE_BYTES, COMPONENT_TILE_BYTES) // width
+        if largest > tile:
+            return Prepared(plan, width, lane.upload(np.asarray(index), torch.int32))
+        # Whole units where a tile holds the largest component whole, else slices of them.
+        slice_words = min(unit, tile // largest)
+        block_units = max(largest, min(tile // slice_words, triton.next_power_of_2(units)))
+        members, per_thread = pack(parts, block_units), COMPONENT_WORDS_PER_THREAD
+    threads = max(32, block_units * slice_words // per_thread)
     return Prepared(
         plan,
         width,
         lane.upload(sources, torch.int32),
-        members=lane.upload(members, torch.int32),
-        programs=len(members),
+        members=None if members is None else lane.upload(members, torch.int32),
+        programs=1 if members is None else len(members),
         unit_words=unit,
         slice_words=slice_words,
         block_units=block_units,
@@ -331,11 +352,13 @@ def apply_runs(
                     where.bases,
                     where.strides,
                     prepared.index,
-                    prepared.members,
+                    prepared.index if prepared.members is None else prepared.members,
                     n,
                     prepared.programs,
+                    prepared.group_words // prepared.unit_words,
                     plan.page_bytes // width // prepared.unit_words,
                     k,
+                    EVERY_UNIT=prepared.members is None,
                     UNIT=prepared.unit_words,
                     SLICE=prepared.slice_words,
                     BLOCK_U=prepared.block_units,
