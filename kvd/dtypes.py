@@ -25,6 +25,19 @@ ITEMSIZE: dict[DTypeName, int] = {
 }
 
 
+class DTypeError(ValueError):
+    """A dtype name the protocol does not know; the message names the field and the known ones."""
+
+
+def itemsize(name: DTypeName, where: str = "dtype") -> int:
+    """Bytes of one element of wire dtype ``name``; ``DTypeError`` naming ``where`` when the
+    name is unknown (a spec built in Python, not decoded, is not checked against ``DTypeName``)."""
+    size = ITEMSIZE.get(name)
+    if size is None:
+        raise DTypeError(f"{where}: unknown dtype {name!r}; known: {', '.join(ITEMSIZE)}")
+    return size
+
+
 @functools.cache
 def _torch_table() -> dict[DTypeName, torch.dtype]:
     import torch
@@ -32,8 +45,9 @@ def _torch_table() -> dict[DTypeName, torch.dtype]:
     return {name: getattr(torch, name) for name in ITEMSIZE}
 
 
-def torch_dtype(name: DTypeName) -> torch.dtype:
-    """The torch dtype of a wire dtype name."""
+def torch_dtype(name: DTypeName, where: str = "dtype") -> torch.dtype:
+    """The torch dtype of a wire dtype name; ``DTypeError`` as ``itemsize`` says."""
+    itemsize(name, where)
     return _torch_table()[name]
 
 

@@ -169,3 +169,9 @@ def test_legacy_remote_format_swaps_heads_and_tokens() -> None:
         legacy_remote_format(PRESETS["cpu_attn_vec"], "NHD")
     with pytest.raises(FormatError, match="K and V order H and N differently"):
         legacy_remote_format(PageFormat(k=("H", "N", "C"), v=("N", "H", "C")), "NHD")
+    with pytest.raises(FormatError, match=r"remote_layout: unknown layout 'XYZ'; known: NHD, HND"):
+        legacy_remote_format(PRESETS["NHD"], "XYZ")  # type: ignore[arg-type]
+    with pytest.raises(FormatError, match=r"layout: unknown layout 'nhd'; known: NHD, HND"):
+        legacy_format("split", "nhd")  # type: ignore[arg-type]
+    with pytest.raises(FormatError, match=r"kv_arrangement: unknown kv_arrangement 'flat'; known"):
+        legacy_format("flat", "NHD")  # type: ignore[arg-type]

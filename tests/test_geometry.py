@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import pytest
 
 from kvd.layout.formats import PRESETS
@@ -73,6 +74,9 @@ def test_nbytes_counts_both_halves_of_split() -> None:
         ([2, 10, 8, 4, 64], {}, "block_size: 16 does not match"),
         ([2, 10, 16, 4, 64], {"block_size": 0}, "block_size: must be > 0"),
         ([2, 0, 16, 4, 64], {}, "every dimension must be > 0"),
+        ([2, 10, 16, 4, 64], {"dtype": "float64"}, r"\.dtype: unknown dtype 'float64'; known: "),
+        ([2, 10, 16, 4, 64], {"layout": "XYZ"}, r"\.layout: unknown layout 'XYZ'; known: "),
+        ([2, 10, 16, 4, 64], {"arrangement": "x"}, r"\.kv_arrangement: unknown kv_arrangement"),
     ],
 )
 def test_bad_shapes_name_the_field(shape, kwargs, message) -> None:
@@ -182,3 +186,12 @@ def test_block_id_checks() -> None:
     many = check_block_ids(list(range(20, 40)), 10)
     assert many is not None and str(many).startswith("[20, 21, 22, 23, 24, 25, 26, 27] (+12 more)")
     assert isinstance(many, ValueError)
+
+
+def test_an_unknown_dtype_names_the_field_and_the_known_ones() -> None:
+    bad = msgspec.structs.replace(format_spec([10, 4, 16, 64], "LBHNC"), dtype="float64")
+    with pytest.raises(
+        GeometryError,
+        match=r"tensors\[1\]\.dtype: unknown dtype 'float64'; known: float32, float16, bfloat16",
+    ):
+        tensor_geometry(bad, "tensors[1]")

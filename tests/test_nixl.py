@@ -337,13 +337,19 @@ def test_bad_requests_end_as_failed_events(
             reader.read("too-few-local", "prefill-test", cache_id, [0, 1], [0])
             reader.read("remote-range", "prefill-test", cache_id, [REMOTE_BLOCKS], [1])
             reader.read("repeated", "prefill-test", cache_id, [3, 4], [2, 2])
-            results = {r.req_id: r for r in finish(reader, 4)}
-            events = by_req(collect(sub, 4))
+            # Ids of every kind get the same checks (a tensor's once slipped past duplicates).
+            repeated = torch.tensor([2, 2])
+            reader.read("repeated-tensor", "prefill-test", cache_id, [3, 4], repeated)
+            reader.read("float-ids", "prefill-test", cache_id, [3], torch.tensor([2.0]))
+            results = {r.req_id: r for r in finish(reader, 6)}
+            events = by_req(collect(sub, 6))
         assert not any(r.ok for r in results.values())
         assert "no handshake with 'prefill-nobody'" in results["unknown-peer"].reason
         assert "fill 2 local blocks, got 1" in results["too-few-local"].reason
         assert f"[{REMOTE_BLOCKS}] outside [0, {REMOTE_BLOCKS})" in results["remote-range"].reason
         assert "[2] listed twice" in results["repeated"].reason
+        assert "local_block_ids: [2] listed twice" in results["repeated-tensor"].reason
+        assert "local_block_ids: integers are needed" in results["float-ids"].reason
         for req_id, event in events.items():
             assert isinstance(event, Failed) and event.code == "read_failed", event
             assert event.message == results[req_id].reason

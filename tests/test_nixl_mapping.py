@@ -326,6 +326,11 @@ def test_descriptor_rows_follow_the_documented_order():
         ([0, 1], [0, 8], 1, "local_block_ids: [8] outside [0, 8)"),
         ([3, 3], [0, 1], 1, "remote_block_ids: [3] listed twice"),
         ([1, 2], [4, 4], 1, "local_block_ids: [4] listed twice"),
+        # Ids of every kind get the same checks (a tensor's once slipped past the duplicates).
+        (torch.tensor([3, 3]), [0, 1], 1, "remote_block_ids: [3] listed twice"),
+        ([1, 2], np.array([4, 4]), 1, "local_block_ids: [4] listed twice"),
+        (torch.tensor([0.0]), [0], 1, "remote_block_ids: integers are needed, got torch.float32"),
+        ([0], np.array([[0]]), 1, "local_block_ids: one dimension is needed, got shape (1, 1)"),
         ([1], [0], 0, "block_size_ratio must be >= 1"),
     ],
 )

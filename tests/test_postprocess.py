@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvd.kernels import cpu
-from kvd.kernels.postprocess import CachePostProcess
+from kvd.kernels.postprocess import CachePostProcess, region_views
 from kvd.layout.formats import PRESETS, FormatError
+from kvd.layout.geometry import GeometryError
 from kvd.layout.planner import PlanError
 from kvd.protocol import PageFormat
 from tests.kernel_cases import check_cache, make_cache
@@ -148,6 +150,57 @@ def test_bad_requests_raise_before_any_write(requests, message) -> None:
     with pytest.raises(ValueError, match=message):
         cache.postprocess().apply(requests, "HND", 2)
     assert all(same_bytes(t, b) for t, b in zip(cache.tensors, cache.before, strict=True))
+
+
+ID_KINDS = [list, tuple, np.array, torch.tensor]
+
+
+@pytest.mark.parametrize("kind", ID_KINDS)
+def test_block_ids_of_every_kind_are_checked_alike(kind) -> None:
+    """A tensor of ids once dodged the duplicate check (a set of tensors never repeats) and the
+    kernel rewrote the block twice."""
+    cache = make_cache("NHD", dtype="float16", block_size=8, num_blocks=20)
+    with pytest.raises(ValueError, match=r"\[1\] listed twice"):
+        cache.postprocess().apply([(kind([1, 1]), 0)], "HND", 2)
+    with pytest.raises(ValueError, match=r"\[20\] outside \[0, 20\)"):
+        cache.postprocess().apply([(kind([3, 20]), 0)], "HND", 2)
+    assert all(same_bytes(t, b) for t, b in zip(cache.tensors, cache.before, strict=True))
+    requests = [([5, 2], 0)]
+    cache.postprocess().apply([(kind(ids), covered) for ids, covered in requests], "HND", 2)
+    check_cache(cache, requests, "HND", 2)
+
+
+@pytest.mark.parametrize(
+    ("ids", "message"),
+    [
+        (torch.tensor([1.0, 2.0]), r"physical_block_ids: integers are needed, got torch\.float32"),
+        (np.array([1, 2], dtype=np.float64), r"physical_block_ids: integers .* got float64"),
+        (torch.tensor([True, False]), r"physical_block_ids: integers .* got torch\.bool"),
+        (
+            torch.tensor([[1], [2]]),
+            r"physical_block_ids: one dimension is needed, got shape \(2, 1\)",
+        ),
+        (np.array(3), r"physical_block_ids: one dimension is needed, got shape \(\)"),
+        ([1, 2.0], r"physical_block_ids\[1\]: an integer is needed, got float"),
+        ([1, True], r"physical_block_ids\[1\]: an integer is needed, got bool"),
+        ({1, 2}, r"physical_block_ids: a list, tuple, numpy array or torch tensor .* got set"),
+    ],
+)
+def test_malformed_block_ids_name_the_field(ids, message) -> None:
+    cache = make_cache("NHD", dtype="float16", block_size=8, num_blocks=20)
+    with pytest.raises(ValueError, match=r"requests\[1\]\." + message):
+        cache.postprocess().apply([([0], 0), (ids, 0)], "HND", 2)
+    assert all(same_bytes(t, b) for t, b in zip(cache.tensors, cache.before, strict=True))
+
+
+def test_region_views_say_what_is_wrong_with_a_tensor() -> None:
+    cache = make_cache("single_NHD", dtype="float16", block_size=8, num_blocks=4, tensors=1)
+    tensor, geometry = cache.tensors[0], cache.geometry
+    shuffled = tensor.view(4, -1).t().contiguous().t()  # same bytes, column-major
+    with pytest.raises(GeometryError, match=r"not contiguous: strides \(1, 4\) for shape \[4, "):
+        region_views(shuffled, geometry)
+    with pytest.raises(GeometryError, match=f"{geometry.nbytes} bytes are needed, got "):
+        region_views(tensor[:2], geometry)
 
 
 def test_remote_pages_larger_than_local_ones_need_whole_groups() -> None:

@@ -21,6 +21,7 @@ from kvd.daemon.ledger import Ledger, RemoteFormat
 from kvd.daemon.registry import AttachedCache, Registry, Rewrite, remember
 from kvd.layout.formats import FormatError, resolve
 from kvd.layout.geometry import (
+    BlockIdFault,
     check_block_ids,
     group_problem,
     group_shape,
@@ -28,6 +29,12 @@ from kvd.layout.geometry import (
     resolve_remote_block_size,
 )
 from kvd.protocol import PROTOCOL_VERSION, FormatRef, Layout, ReadDone, ReadFailed, Reason
+
+_BLOCK_ID_REASONS: dict[BlockIdFault, Reason] = {
+    "out_of_range": Reason.BLOCK_OUT_OF_RANGE,
+    "duplicate": Reason.DUPLICATE_BLOCK_ID,
+    "malformed": Reason.INVALID_MESSAGE,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,10 +148,7 @@ def validate_read_done(msg: ReadDone, registry: Registry, ledger: Ledger) -> Ver
     ids = msg.physical_block_ids
     bad = check_block_ids(ids, cache.num_blocks)
     if bad is not None:
-        code = (
-            Reason.BLOCK_OUT_OF_RANGE if bad.fault == "out_of_range" else Reason.DUPLICATE_BLOCK_ID
-        )
-        return Rejection(code, f"physical_block_ids: {bad}")
+        return Rejection(_BLOCK_ID_REASONS[bad.fault], f"physical_block_ids: {bad}")
     # One local block per group and all of it covered (the common case) always fits.
     if found.pages > 1 or msg.covered_sub_blocks:
         broken = group_problem(len(ids), msg.covered_sub_blocks, found.pages, found.remote_pages)

@@ -26,7 +26,15 @@ import torch
 from kvd.kernels import cpu
 from kvd.layout import planner
 from kvd.layout.formats import KV, PageSizes, page_bytes, resolve
-from kvd.layout.geometry import TensorGeometry, check_block_ids, group_problem, group_shape
+from kvd.layout.geometry import (
+    BlockIds,
+    TensorGeometry,
+    block_id_list,
+    check_block_ids,
+    check_tensor,
+    group_problem,
+    group_shape,
+)
 from kvd.layout.planner import Plan
 from kvd.protocol import FormatRef, PageFormat
 
@@ -38,8 +46,9 @@ Backend = Literal["auto", "kernel", "torch"]
 """``kernel``: the compiled CPU kernel, or Triton on CUDA; ``torch``: plain torch ops (the
 fallback when no kernel is built); ``auto``: the kernel when there is one."""
 
-Request = tuple[Sequence[int], int]
-"""(local block ids in request order, covered_sub_blocks): ``covered_sub_blocks`` counts the
+Request = tuple[BlockIds, int]
+"""(local block ids in request order, covered_sub_blocks): the ids of any kind ``BlockIds``
+names; ``covered_sub_blocks`` counts the
 remote pages the READ filled from the request's first page on, as vLLM's NIXL worker counts them
 (``min(len(local) * ratio, len(remote))``); 0 means all of them."""
 
@@ -72,14 +81,14 @@ class RegionView:
         return int(self.pages.data_ptr())
 
 
-def region_views(tensor: torch.Tensor, geometry: TensorGeometry) -> list[RegionView]:
-    """The regions of one attached tensor: contiguous, in its physical shape, of ``geometry``."""
-    nbytes = tensor.numel() * tensor.element_size()
-    if not tensor.is_contiguous() or nbytes != geometry.nbytes:
-        raise ValueError(
-            f"a contiguous tensor of {geometry.nbytes} bytes is needed, got {nbytes} bytes "
-            f"(contiguous: {tensor.is_contiguous()})"
-        )
+def region_views(
+    tensor: torch.Tensor, geometry: TensorGeometry, where: str = "tensor"
+) -> list[RegionView]:
+    """The regions of one attached tensor: contiguous, in its physical shape, of ``geometry``.
+
+    Raises ``GeometryError`` (``check_tensor``) naming ``where`` when it is not.
+    """
+    check_tensor(tensor, geometry, where)
     start = tensor.storage_offset() * tensor.element_size()
     views = []
     for i in range(geometry.num_regions):
@@ -233,11 +242,11 @@ class CachePostProcess:
     def apply(self, requests: Sequence[Request], remote: FormatRef, remote_block_size: int) -> None:
         """Rewrite every listed block of every region, landed in ``remote`` at nP tokens.
 
-        Raises, before anything is written: ``ValueError`` for ids out of range or listed twice
-        (over all requests), a request whose ids do not fill whole groups (nP > nD: a multiple
-        of nP / nD ids), or a ``covered`` beyond what the ids hold; ``FormatError`` and
-        ``PlanError`` from the planner. ``MemoryFault`` when a page faults (the call stops;
-        pages may be partly rewritten).
+        Raises, before anything is written: ``ValueError`` for ids not of a ``BlockIds`` kind,
+        out of range or listed twice (over all requests), a request whose ids do not fill whole
+        groups (nP > nD: a multiple of nP / nD ids), or a ``covered`` beyond what the ids
+        hold; ``FormatError`` and ``PlanError`` from the planner. ``MemoryFault`` when a page
+        faults (the call stops; pages may be partly rewritten).
         """
         pages, remote_pages = group_shape(self.block_size, remote_block_size)
         full: list[int] = []
@@ -245,7 +254,7 @@ class CachePostProcess:
         unreached: list[int] = []
         listed: list[int] = []
         for n, (request_ids, covered) in enumerate(requests):
-            ids = list(request_ids)
+            ids = block_id_list(request_ids, f"requests[{n}].physical_block_ids")
             listed += ids
             broken = group_problem(len(ids), covered, pages, remote_pages)
             if broken is not None:

@@ -59,6 +59,9 @@ PRESETS: dict[str, PageFormat] = {
     "BHLNC": PageFormat(outer=("H", "L", "N"), k=("C",), v=("C",)),
 }
 
+LAYOUTS: tuple[Layout, ...] = ("NHD", "HND")
+KV_ARRANGEMENTS: tuple[KVArrangement, ...] = ("split", "blocks_first", "single", "mla")
+
 _LEGACY: dict[tuple[KVArrangement, Layout], str] = {
     ("split", "NHD"): "NHD",
     ("split", "HND"): "HND",
@@ -71,14 +74,32 @@ _LEGACY: dict[tuple[KVArrangement, Layout], str] = {
 }
 
 
-def legacy_preset(kv_arrangement: KVArrangement, layout: Layout) -> str:
-    """The name of the preset a legacy (``kv_arrangement``, ``layout``) description stands for."""
-    return _LEGACY[(kv_arrangement, layout)]
+def check_layout(layout: Layout, where: str = "layout") -> Layout:
+    """``layout`` when it is NHD or HND, else ``FormatError`` naming ``where`` (a description
+    built in Python, not decoded, is not checked against ``Layout``)."""
+    if layout not in LAYOUTS:
+        raise FormatError(f"{where}: unknown layout {layout!r}; known: {', '.join(LAYOUTS)}")
+    return layout
 
 
-def legacy_format(kv_arrangement: KVArrangement, layout: Layout) -> PageFormat:
-    """The preset a legacy (``kv_arrangement``, ``layout``) description stands for."""
-    return PRESETS[legacy_preset(kv_arrangement, layout)]
+def legacy_preset(kv_arrangement: KVArrangement, layout: Layout, where: str = "") -> str:
+    """The name of the preset a legacy (``kv_arrangement``, ``layout``) description stands for.
+
+    Raises ``FormatError`` naming the unknown field (under ``where``, e.g. ``tensors[0]``).
+    """
+    prefix = f"{where}." if where else ""
+    if kv_arrangement not in KV_ARRANGEMENTS:
+        raise FormatError(
+            f"{prefix}kv_arrangement: unknown kv_arrangement {kv_arrangement!r}; known: "
+            f"{', '.join(KV_ARRANGEMENTS)}"
+        )
+    return _LEGACY[(kv_arrangement, check_layout(layout, f"{prefix}layout"))]
+
+
+def legacy_format(kv_arrangement: KVArrangement, layout: Layout, where: str = "") -> PageFormat:
+    """The preset a legacy (``kv_arrangement``, ``layout``) description stands for; raises as
+    ``legacy_preset``."""
+    return PRESETS[legacy_preset(kv_arrangement, layout, where)]
 
 
 def resolve(ref: FormatRef, where: str = "page_format") -> PageFormat:
@@ -263,11 +284,15 @@ def heads_tokens_order(fmt: PageFormat) -> Layout:
     return "HND" if orders == {"HND"} else "NHD"
 
 
-def legacy_remote_format(local: PageFormat, remote_layout: Layout) -> PageFormat:
+def legacy_remote_format(
+    local: PageFormat, remote_layout: Layout, where: str = "remote_layout"
+) -> PageFormat:
     """The remote format a legacy ``remote_layout`` means: ``local`` with the remote's H/N order.
 
-    Raises ``FormatError`` when ``local`` has no H axis in its pages or no defined H/N order.
+    Raises ``FormatError`` for a layout other than NHD and HND (naming ``where``), or when
+    ``local`` has no H axis in its pages or no defined H/N order.
     """
+    check_layout(remote_layout, where)
     if heads_tokens_order(local) == remote_layout:
         return local
     swap: dict[Axis, Axis] = {"H": "N", "N": "H", "L": "L", "C": "C"}

@@ -2,18 +2,20 @@
 
 Pure logic, no I/O: the registry calls ``cache_geometry`` on the ``TensorSpec``s of an Attach and
 opens memory only when every tensor passes. Also the checks every path shares on what a
-notification names: the block ids (``check_block_ids``), the remote block size
-(``resolve_remote_block_size``) and the pages one READ fills (``group_shape``).
+notification names: the block ids (``block_id_list``, ``check_block_ids``), the remote block
+size (``resolve_remote_block_size``) and the pages one READ fills (``group_shape``); and what an
+opened tensor must be to hold its geometry (``check_tensor``).
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, TypeAlias
 
-from kvd.dtypes import ITEMSIZE
+from kvd.dtypes import DTypeError, itemsize
 from kvd.layout.formats import (
     FormatError,
     PageSizes,
@@ -26,7 +28,10 @@ from kvd.layout.formats import (
 )
 from kvd.protocol import DTypeName, KVArrangement, Layout, PageFormat, TensorSpec
 
-LAYOUTS: tuple[Layout, ...] = ("NHD", "HND")
+if TYPE_CHECKING:  # pure logic: it only asks an array or a tensor what it is
+    import numpy as np
+    import numpy.typing as npt
+    import torch
 
 
 class GeometryError(ValueError):
@@ -88,6 +93,30 @@ class TensorGeometry:
         return self.num_regions * self.region_stride
 
 
+def check_tensor(tensor: torch.Tensor, geometry: TensorGeometry, where: str = "tensor") -> None:
+    """Check that ``tensor`` holds ``geometry``: its bytes, contiguous in its shape.
+
+    Raises ``GeometryError`` naming ``where`` and each thing that is wrong.
+    """
+    problems = []
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes != geometry.nbytes:
+        problems.append(
+            f"{geometry.nbytes} bytes are needed, got {nbytes} (shape {list(tensor.shape)}, "
+            f"{tensor.dtype})"
+        )
+    if not tensor.is_contiguous():
+        packed = [1] * tensor.dim()
+        for d in range(tensor.dim() - 2, -1, -1):
+            packed[d] = packed[d + 1] * tensor.shape[d + 1]
+        problems.append(
+            f"not contiguous: strides {tuple(tensor.stride())} for shape {list(tensor.shape)}, "
+            f"where contiguous means {tuple(packed)}"
+        )
+    if problems:
+        raise GeometryError(f"{where}: {'; '.join(problems)}")
+
+
 def tensor_geometry(spec: TensorSpec, where: str = "tensor") -> TensorGeometry:
     """Check that ``spec.shape`` fits its page format (or legacy description) and sizes.
 
@@ -137,7 +166,7 @@ def _format_geometry(spec: TensorSpec, where: str) -> TensorGeometry:
         num_heads=max(1, spec.num_heads),
         block_size=spec.block_size,
         head_dim=spec.head_dim,
-        itemsize=ITEMSIZE[spec.dtype],
+        itemsize=_itemsize(spec.dtype, where),
     )
     regions = num_regions(fmt, sizes.num_heads)
     lead = 2 if fmt.regions else 1
@@ -171,6 +200,10 @@ def shape_geometry(
     where: str = "tensor",
 ) -> TensorGeometry:
     """The geometry of a legacy description: sizes read from the shape."""
+    try:
+        fmt = legacy_format(kv_arrangement, layout, where)
+    except FormatError as exc:
+        raise GeometryError(str(exc)) from None
     shape = list(shape)
     if any(d <= 0 for d in shape):
         raise GeometryError(f"{where}.shape: every dimension must be > 0, got {shape}")
@@ -213,11 +246,16 @@ def shape_geometry(
         num_heads=num_heads,
         block_size=block_size,
         head_dim=head_dim,
-        itemsize=ITEMSIZE[dtype],
+        itemsize=_itemsize(dtype, where),
     )
-    return TensorGeometry(
-        legacy_format(kv_arrangement, layout), sizes, num_blocks, kv_arrangement, layout
-    )
+    return TensorGeometry(fmt, sizes, num_blocks, kv_arrangement, layout)
+
+
+def _itemsize(dtype: DTypeName, where: str) -> int:
+    try:
+        return itemsize(dtype, f"{where}.dtype")
+    except DTypeError as exc:
+        raise GeometryError(str(exc)) from None
 
 
 def cache_geometry(specs: Sequence[TensorSpec]) -> list[TensorGeometry]:
@@ -278,7 +316,11 @@ def resolve_remote_block_size(
     return remote_block_size
 
 
-BlockIdFault = Literal["out_of_range", "duplicate"]
+BlockIdFault = Literal["out_of_range", "duplicate", "malformed"]
+
+BlockIds: TypeAlias = "Sequence[int] | npt.NDArray[np.integer] | torch.Tensor"
+"""Block ids as a caller may give them: a list or tuple of integers, or a 1-D integer numpy
+array or torch tensor (on any device)."""
 
 
 def group_shape(block_size: int, remote_block_size: int) -> tuple[int, int]:
@@ -306,12 +348,58 @@ class BlockIdError(ValueError):
         self.fault: BlockIdFault = fault
 
 
+def block_id_list(block_ids: BlockIds, where: str = "physical_block_ids") -> list[int]:
+    """``block_ids`` of any accepted kind as a list of Python ints, for ``check_block_ids``.
+
+    Every kind goes through here, so every kind gets the same checks after: a tensor's ids,
+    left as 0-d tensors, would hash apart and slip past the duplicate check. Raises
+    ``BlockIdError`` (``malformed``) naming ``where`` for another kind, a dtype that is not an
+    integer one, or more than one dimension.
+    """
+    if type(block_ids) is list and set(map(type, block_ids)) == {int}:
+        return block_ids  # the common case (decoded from the wire): nothing to convert
+    # An array or a tensor exists only once its library is loaded: ask, never import (a CPU
+    # daemon is READY before numpy and torch load).
+    np_, torch_ = sys.modules.get("numpy"), sys.modules.get("torch")
+    if isinstance(block_ids, list | tuple):
+        integers = (int, np_.integer) if np_ is not None else (int,)
+        for i, b in enumerate(block_ids):
+            if isinstance(b, bool) or not isinstance(b, integers):
+                raise BlockIdError(
+                    "malformed", f"{where}[{i}]: an integer is needed, got {type(b).__name__}"
+                )
+        return [int(b) for b in block_ids]
+    if np_ is not None and isinstance(block_ids, np_.ndarray):
+        integral = block_ids.dtype.kind in "iu"
+    elif torch_ is not None and isinstance(block_ids, torch_.Tensor):
+        integral = not (
+            block_ids.is_floating_point()
+            or block_ids.is_complex()
+            or block_ids.dtype == torch_.bool
+        )
+    else:
+        raise BlockIdError(
+            "malformed",
+            f"{where}: a list, tuple, numpy array or torch tensor of integers is needed, got "
+            f"{type(block_ids).__name__}",
+        )
+    if not integral:
+        raise BlockIdError("malformed", f"{where}: integers are needed, got {block_ids.dtype}")
+    if block_ids.ndim != 1:
+        raise BlockIdError(
+            "malformed", f"{where}: one dimension is needed, got shape {tuple(block_ids.shape)}"
+        )
+    ids: list[int] = block_ids.tolist()
+    return ids
+
+
 def check_block_ids(block_ids: Sequence[int], num_blocks: int) -> BlockIdError | None:
     """Why ``block_ids`` cannot index a cache of ``num_blocks`` blocks, or None.
 
     The one check of the block ids a request names (the kernels, the daemon's validation and
-    the NIXL read planner all use it): every id in ``[0, num_blocks)``, none listed twice. The
-    common case (all fine) costs a min, a max and a set.
+    the NIXL read planner all use it): every id in ``[0, num_blocks)``, none listed twice.
+    ``block_ids`` are Python ints (``block_id_list`` makes them so from any accepted kind).
+    The common case (all fine) costs a min, a max and a set.
     """
     if not block_ids:
         return None

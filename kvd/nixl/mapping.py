@@ -30,7 +30,13 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvd.layout.geometry import TensorGeometry, check_block_ids
+from kvd.layout.geometry import (
+    BlockIdError,
+    BlockIds,
+    TensorGeometry,
+    block_id_list,
+    check_block_ids,
+)
 
 IndexArray = npt.NDArray[np.int32]
 DescriptorArray = npt.NDArray[np.int64]
@@ -120,8 +126,8 @@ class ReadPlan:
 
 
 def plan_read(
-    remote_block_ids: Sequence[int],
-    local_block_ids: Sequence[int],
+    remote_block_ids: BlockIds,
+    local_block_ids: BlockIds,
     *,
     ratio: int = 1,
     chunks: int = 1,
@@ -137,8 +143,14 @@ def plan_read(
     of remote block ``i`` goes to local block ``local_block_ids[k*i + j]``: indices into
     ``local_descriptors(..., 1)`` and ``remote_descriptors(..., chunks=k)``. At most one of the
     two may exceed 1. Every region alike. Raises ``MappingError`` when the lists do not fit:
-    wrong local count for the remote count, ids out of range, or repeated ids.
+    ids not of a ``BlockIds`` kind, wrong local count for the remote count, ids out of range,
+    or repeated ids.
     """
+    try:
+        remote_block_ids = block_id_list(remote_block_ids, "remote_block_ids")
+        local_block_ids = block_id_list(local_block_ids, "local_block_ids")
+    except BlockIdError as e:
+        raise MappingError(str(e)) from None
     if ratio < 1:
         raise MappingError(f"block_size_ratio must be >= 1, got {ratio}")
     if chunks < 1:

@@ -27,12 +27,16 @@ import msgspec
 import torch
 import zmq
 
-from kvd.dtypes import ITEMSIZE
+from kvd.dtypes import itemsize
 from kvd.layout.formats import FormatError, legacy_format, resolve
 from kvd.layout.geometry import (
+    BlockIdError,
+    BlockIds,
     GeometryError,
     TensorGeometry,
+    block_id_list,
     cache_geometry,
+    check_tensor,
     group_shape,
     shape_geometry,
 )
@@ -172,8 +176,7 @@ class Reader:
         geometries = cache_geometry(specs)
         first = geometries[0]
         for i, (t, g) in enumerate(zip(tensors, geometries, strict=True)):
-            if t.numel() * t.element_size() != g.nbytes or not t.is_contiguous():
-                raise ValueError(f"tensors[{i}]: not a contiguous tensor of spec {specs[i].name}")
+            check_tensor(t, g, f"tensors[{i}] ({specs[i].name})")
             if g != first:
                 raise ValueError(f"tensors[{i}]: geometry differs from tensors[0]")
         if len({s.layout for s in specs}) != 1:
@@ -265,8 +268,8 @@ class Reader:
         req_id: str,
         engine_id: str,
         cache_id: str,
-        remote_block_ids: Sequence[int],
-        local_block_ids: Sequence[int],
+        remote_block_ids: BlockIds,
+        local_block_ids: BlockIds,
     ) -> None:
         """Issue the READ of one request.
 
@@ -277,7 +280,11 @@ class Reader:
         Never raises for a bad request: it becomes a failed ``ReadResult`` and a ``ReadFailed``.
         """
         now = time.monotonic()
-        local_ids = list(local_block_ids)
+        try:
+            local_ids = block_id_list(local_block_ids, "local_block_ids")
+        except BlockIdError as e:  # no ids to name: the engine knows its request by req_id
+            self._fail(req_id, engine_id, cache_id, [], reason=str(e), started=now)
+            return
         try:
             peer, cache, ratio, chunks = self._route(engine_id, cache_id)
             plan = plan_read(
@@ -592,7 +599,7 @@ def _group(peer: _Peer, cache: _LocalCache) -> tuple[int, int]:
             f"{where}: num_heads x head_dim {d.num_heads} x {d.head_dim} differs from "
             f"{g.num_heads} x {g.head_dim}"
         )
-    if ITEMSIZE[d.dtype] != g.itemsize:
+    if itemsize(d.dtype, f"peer {d.engine_id!r}: dtype") != g.itemsize:
         raise MappingError(f"{where}: dtype {d.dtype} has another element size")
     if len(peer.regions) != len(cache.regions):
         raise MappingError(
