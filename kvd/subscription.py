@@ -220,9 +220,14 @@ class _Replays:
     _endpoints: Endpoints
     _timeout_ms: int
 
-    def _no_answer(self) -> ReplayError:
+    _order: _Ordering
+
+    def _no_answer(self, gap: _Gap) -> ReplayError:
         """The error for a replay that got no answer: ``KvdUnavailable`` (raised by ``check``)
-        when no daemon is there any more."""
+        when no daemon is there any more. The gap goes back first in line, the next poll asks
+        again: no other poll would (a live event that revealed it is still in it, and a resync
+        waits for silence)."""
+        self._order.pending.appendleft(gap)
         if self._check is not None:
             self._check()
         return ReplayError(
@@ -315,7 +320,7 @@ class Subscription(_Replays, Iterator[Delivery]):
             sock.send(_replay_request(gap))
             while answer.end is None:
                 if not sock.poll(self._timeout_ms):
-                    raise self._no_answer()
+                    raise self._no_answer(gap)
                 answer.take(sock.recv_multipart())
         finally:
             sock.close()
@@ -379,7 +384,7 @@ class AsyncSubscription(_Replays, AsyncIterator[Delivery]):
             await sock.send(_replay_request(gap))
             while answer.end is None:
                 if not await sock.poll(self._timeout_ms):
-                    raise self._no_answer()
+                    raise self._no_answer(gap)
                 answer.take(await sock.recv_multipart())
         finally:
             sock.close()

@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -21,6 +23,7 @@ import zmq
 from kvd.client import AsyncClient, Client, KvdError, ShmCache, Subscription
 from kvd.daemon_process import DaemonProcess
 from kvd.protocol import CudaIpcRef, Failed, Ready, ShmRef
+from kvd.subscription import ReplayError
 from tests.daemon_helpers import by_req, collect, wait_for
 from tests.reference import expected_block, random_bytes, same_bytes
 
@@ -703,3 +706,33 @@ def test_poll_without_a_wait_on_an_idle_subscription_polls_its_socket_once(
         sub.close()
         ctx.term()
     assert polls == 100
+
+
+def test_a_replay_that_timed_out_is_tried_again_at_the_next_poll(
+    daemon: DaemonProcess, client: Client, small_cache: tuple[str, ShmCache]
+) -> None:
+    """kvd stopped while a late subscriber's replay from seq 1 waits: that replay times out,
+    and the next poll asks for the same events again instead of dropping the gap (nothing
+    else would ask before a resync interval of silence, here an hour)."""
+    cache_id, _ = small_cache
+    for i in range(3):
+        client.read_done(f"{cache_id}-t{i}", cache_id, [i], remote_layout="NHD", block_size_ratio=1)
+    with client.subscribe([cache_id], from_seq=1) as seen:  # all 3 answered before we go on
+        assert [d.seq for d in collect(seen, 3)] == [1, 2, 3]
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sub = Subscription(
+        ctx, daemon.endpoints(), [cache_id], from_seq=1, timeout=0.5, resync_interval=3600
+    )
+    assert daemon.proc is not None
+    try:
+        os.kill(daemon.proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(ReplayError, match="no replay answer"):
+                sub.poll(0)
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        got = [sub.poll(10) for _ in range(3)]
+        assert [d.seq if d else None for d in got] == [1, 2, 3]
+    finally:
+        sub.close()
+        ctx.term()
