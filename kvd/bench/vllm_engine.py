@@ -102,6 +102,13 @@ def control_prompt(source: list[int]) -> list[int]:
     return tokens
 
 
+LEASE_S = 120
+"""How long a prefill keeps blocks no decode pulled (the decode renews the lease while it waits
+for them). Long enough for a decode stalled by a kernel compile; short, because a prefill
+engine spins on a core while it holds blocks, and a decode that failed over to recompute never
+pulls them."""
+
+
 def make_llm(config: dict[str, Any]) -> Any:
     from vllm import LLM
     from vllm.config import KVTransferConfig
@@ -112,7 +119,7 @@ def make_llm(config: dict[str, Any]) -> Any:
         kv_role=config["role"],
         engine_id=config["engine_id"],
         kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"kv_lease_duration": 600, **config.get("extra", {})},
+        kv_connector_extra_config={"kv_lease_duration": LEASE_S, **config.get("extra", {})},
     )
     return LLM(
         model=config["model"],

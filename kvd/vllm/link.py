@@ -112,7 +112,17 @@ class KvdLink:
     def start(self) -> None:
         """Attach and subscribe (at startup, on the caller's thread: errors are startup
         errors), make the engine's ingest socket, then hand the rest to the link's thread."""
-        self._attach()
+        deadline = time.monotonic() + self.attachment.timeout_s
+        while True:
+            try:
+                self._attach()
+                break
+            except ReplayError as exc:
+                # kvd answered the Attach, so it is there: a kvd still busy starting (or a
+                # loaded machine) answers the subscription's first replays late.
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("kvd: %s at startup; subscribing again", exc)
         self._push = self.client.ingest_socket(linger_s=0)
         self._thread.start()
 
