@@ -1,4 +1,7 @@
-"""``KvdConnector``: vLLM 0.32's NIXL connector with the decode-side post-process done by kvd.
+"""``KvdConnector``: vLLM's NIXL connector with the decode-side post-process done by kvd.
+
+Tested with vLLM 0.32; vLLM's classes are found by what they offer (``kvd.vllm.hooks``), and
+the startup log says which vLLM runs and whether kvd was tested with it.
 
 Load it with ``KVTransferConfig(kv_connector="KvdConnector", kv_connector_module_path="kvd.vllm",
 kv_role=..., kv_connector_extra_config={"kvd_runtime_dir": ...})``. The scheduler side, the
@@ -32,20 +35,6 @@ import time
 from typing import Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorRole,
-    KVConnectorTransferResults,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
-    NixlBaseConnector,
-    NixlPullConnector,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
-    NixlPullConnectorScheduler,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
-    NixlPullConnectorWorker,
-)
 
 from kvd.client import (
     Client,
@@ -59,12 +48,31 @@ from kvd.dtypes import dtype_name
 from kvd.protocol import CACHE_ID_MAX, Event, MemoryRef, ShmRef, TensorSpec
 from kvd.vllm.formats import UnknownFormat, page_format, remote_page_format
 from kvd.vllm.holding import Held, Holding, Released
+from kvd.vllm.hooks import (
+    WORKER_ATTRIBUTES,
+    VllmIncompatible,
+    attn_isa_function,
+    missing_attributes,
+    resolve_nixl,
+    version_note,
+)
 from kvd.vllm.link import Attachment, GiveUp, KvdLink, Resend, State
 from kvd.vllm.shm import ShmAllocation
 from kvd.vllm.stats import HandoffStats
 
 # Under "vllm.", so vLLM's own log handler shows these lines with the engine's.
 log = logging.getLogger("vllm.kvd")
+
+# vLLM's classes, found by what they offer (kvd.vllm.hooks); a vLLM without them stops here.
+_nixl = resolve_nixl()
+KVConnectorRole: Any = _nixl.connector_role
+KVConnectorTransferResults: Any = _nixl.transfer_results
+NixlBaseConnector: Any = _nixl.base_connector
+NixlPullConnector: Any = _nixl.pull_connector
+NixlPullConnectorScheduler: Any = _nixl.pull_scheduler
+NixlPullConnectorWorker: Any = _nixl.pull_worker
+_tested, _version_line = version_note(_nixl.version)
+log.log(logging.INFO if _tested else logging.WARNING, "%s", _version_line)
 
 DOWN_TIMEOUT_S = 10.0
 """How long held requests wait for a kvd that is not running before they are failed."""
@@ -85,6 +93,11 @@ class KvdWorker(NixlPullConnectorWorker):
 
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, engine_id, kv_cache_config)
+        if missing := missing_attributes(self, WORKER_ATTRIBUTES):
+            raise KvdConnectorError(
+                f"vLLM {_nixl.version}: its NIXL worker has no {', '.join(missing)}, which "
+                "kvd.vllm reads (this vLLM is newer than kvd.vllm knows)"
+            )
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         found = resolve_runtime_dir(extra.get("kvd_runtime_dir") or None, gpu=str(self.tp_rank))
         assert found is not None  # no explicit endpoints: always a directory
@@ -153,11 +166,13 @@ class KvdWorker(NixlPullConnectorWorker):
     def _page_format(self) -> str:
         cache_dtype = str(self.vllm_config.cache_config.cache_dtype)
         if self.backend_name == "CPU_ATTN":
-            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
+            try:
+                get_attn_isa = attn_isa_function(self.attn_backends[0])
+            except VllmIncompatible as exc:
+                raise KvdConnectorError(str(exc)) from exc
             model_dtype = self.model_config.dtype
             assert isinstance(model_dtype, torch.dtype)  # resolved when the engine started
-            self._isa = _get_attn_isa(
+            self._isa = get_attn_isa(
                 model_dtype,
                 self.block_size,
                 self.model_config.get_head_size(),
