@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from kvd.vllm.holding import covered_sub_blocks
 from kvd.vllm.hooks import (
     READ,
     TESTED,
@@ -141,3 +142,18 @@ def test_a_vllm_whose_worker_lacks_hooks_is_refused_naming_them(
     )
     # Everything else it offers, vLLM's own classes do: only the two hooks are named.
     assert message.count("NixlPullConnectorWorker.") == 2
+
+
+def test_the_sub_blocks_a_read_covered_are_counted_as_each_vllm_counts_them() -> None:
+    # vLLM 0.32 and 0.33: from the first local block, min(local * ratio, remote).
+    assert covered_sub_blocks(2, 4, 5, None) == 5
+    assert covered_sub_blocks(2, 4, 9, None) == 8
+    # vLLM 0.34 pairs from the last token: a decode-side prefix hit leaves local blocks for
+    # tokens 64-191 of a 160-token prompt (block 64, remote 32), so 3 of their 4 sub-blocks
+    # land, paired with the last 3 of the 5 remote blocks; min() would say 4.
+    assert covered_sub_blocks(2, 2, 5, range(0, 3)) == 3
+    # A READ that left the first sub-blocks unwritten, or wrote none, cannot be described to
+    # kvd: the request is recomputed.
+    assert covered_sub_blocks(2, 2, 5, range(1, 4)) is None
+    assert covered_sub_blocks(2, 2, 5, range(0, 0)) is None
+    assert covered_sub_blocks(1, 2, 0, None) is None

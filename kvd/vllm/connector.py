@@ -47,7 +47,7 @@ from kvd.client import (
 from kvd.dtypes import dtype_name
 from kvd.protocol import CACHE_ID_MAX, Event, MemoryRef, ShmRef, TensorSpec
 from kvd.vllm.formats import UnknownFormat, page_format, remote_page_format
-from kvd.vllm.holding import Held, Holding, Released
+from kvd.vllm.holding import Held, Holding, Released, covered_sub_blocks
 from kvd.vllm.hooks import (
     WORKER_ATTRIBUTES,
     VllmIncompatible,
@@ -306,21 +306,31 @@ class KvdWorker(NixlPullConnectorWorker):
         remote_format, remote_block_size = self._remotes[engine_id]
         local = meta.local_physical_block_ids[0]
         ratio = max(1, self.block_size // remote_block_size)
+        # vLLM 0.34 records the sub-blocks its READ covered (pairing blocks from the last token);
+        # earlier versions cover them from the first.
+        ranges = getattr(meta, "covered_sub_blocks", None)
+        covered_range = ranges[0] if ranges else None
+        covered = covered_sub_blocks(
+            len(local), ratio, len(meta.remote.block_ids[0]), covered_range
+        )
+        state = link.state
+        if state is State.GONE or covered is None:
+            # No kvd to wait for, or landed blocks a ReadDone cannot describe: vLLM recomputes.
+            why = (
+                f"the READ covered sub-blocks {covered_range}" if covered is None else "kvd is gone"
+            )
+            log.warning("%s: request %s is recomputed", why, req_id)
+            results.finished_recving.add(req_id)
+            results.failed_recving.add(req_id)
+            return
         held = Held(
             req_id=req_id,
             block_ids=[int(b) for b in local],
             remote_block_size=remote_block_size,
             remote_format=remote_format,
-            covered_sub_blocks=min(len(local) * ratio, len(meta.remote.block_ids[0])),
+            covered_sub_blocks=covered,
             remote_engine_id=engine_id,
         )
-        state = link.state
-        if state is State.GONE:
-            # No kvd to wait for: vLLM recomputes it now.
-            log.warning("kvd is gone: request %s is recomputed", req_id)
-            results.finished_recving.add(req_id)
-            results.failed_recving.add(req_id)
-            return
         self._holding.hold(held)
         if state is State.UP and not link.send(_read_done(self.cache_id, held)):
             self._unsent.append(held)
@@ -393,6 +403,23 @@ class KvdConnector(NixlPullConnector):
     def get_mem_pool_context(self) -> Any:
         worker = self.connector_worker
         return worker.allocation if isinstance(worker, KvdWorker) else None
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.33+ asks (0.32 has no sleep hooks): a decode worker's KV cache is mapped by
+        kvd, and sleep would unmap or deregister it under kvd; a prefill worker is vLLM's."""
+        if kv_transfer_config.kv_role == "kv_producer":
+            return bool(super().supports_sleep_mode(kv_transfer_config))
+        return False
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        """vLLM 0.34+ asks: kvd maps a decode GPU's KV cache through legacy CUDA IPC, which
+        cannot export the driver-mapped memory of vLLM's extensible KV cache, so it stays off."""
+        access = super().kv_cache_access(kv_transfer_config)
+        if kv_transfer_config.kv_role == "kv_producer":
+            return access
+        return access | type(access).LEGACY_IPC
 
 
 def _read_done(cache_id: str, held: Held) -> bytes:
