@@ -2,7 +2,7 @@
 
 ``KvdConnector`` subclasses vLLM's NIXL pull connector and its worker and overrides or reads a
 few of their hooks. Where vLLM keeps those classes moves between versions (one
-``nixl_connector.py`` once, a ``nixl/`` package of nine modules by 0.32), so they are found from
+``nixl_connector.py`` once, a ``nixl/`` package by 0.32), so they are found from
 the connector vLLM registers under the name users configure, ``NixlConnector``: its base, and the
 worker and scheduler classes by name in the namespace that builds them. Each is accepted only if
 it offers every hook kvd.vllm uses, with the parameters kvd passes; a vLLM that lacks one is
@@ -41,8 +41,11 @@ class Hook:
     why: str
 
 
+CONNECTOR_INIT = Hook(
+    "__init__", ("vllm_config", "role", "kv_cache_config"), "builds its connector on it"
+)
 CONNECTOR_HOOKS = (
-    Hook("__init__", ("vllm_config", "role", "kv_cache_config"), "builds its connector on it"),
+    CONNECTOR_INIT,
     Hook("get_mem_pool_context", (), "allocates a CPU worker's KV cache in /dev/shm with it"),
     Hook("start_load_kv", ("forward_context",), "relies on it to start the decode side's READs"),
 )
@@ -182,13 +185,12 @@ def nixl_classes(pull: type, version: str) -> Nixl:
             problems.append(f"no {what} beside {pull.__module__}.{pull.__name__}")
     for cls, hooks in [
         (pull, CONNECTOR_HOOKS),
+        (base, (CONNECTOR_INIT,)),
         (worker, WORKER_HOOKS),
         (scheduler, SCHEDULER_HOOKS),
     ]:
         if cls is not None:
             problems += [f"{cls.__name__}.{m}" for m in missing_hooks(cls, hooks)]
-    if base is not None and (m := missing_hooks(base, CONNECTOR_HOOKS[:1])):
-        problems += [f"{base.__name__}.{x}" for x in m]
     if role is not None and missing_attributes(role, ("SCHEDULER", "WORKER")):
         problems.append("KVConnectorRole.SCHEDULER and .WORKER")
     if problems:
