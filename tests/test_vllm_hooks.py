@@ -8,6 +8,8 @@ those hooks taken away, in a module written here, as a newer vLLM might ship the
 from __future__ import annotations
 
 import importlib
+import os
+import subprocess
 import sys
 import textwrap
 import warnings
@@ -28,6 +30,7 @@ from kvd.vllm.hooks import (
 )
 
 NIXL = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -157,3 +160,29 @@ def test_the_sub_blocks_a_read_covered_are_counted_as_each_vllm_counts_them() ->
     assert covered_sub_blocks(2, 2, 5, range(1, 4)) is None
     assert covered_sub_blocks(2, 2, 5, range(0, 0)) is None
     assert covered_sub_blocks(1, 2, 0, None) is None
+
+
+SOURCES = [Path(p) for p in os.environ.get("KVD_VLLM_SOURCES", "").split(os.pathsep) if p]
+
+
+@pytest.mark.skipif(not SOURCES, reason="KVD_VLLM_SOURCES names no unpacked vLLM wheels")
+@pytest.mark.parametrize("source", SOURCES, ids=str)
+def test_kvd_vllm_loads_against_another_vllms_source(source: Path) -> None:
+    """``KVD_VLLM_SOURCES=/tmp/vllm-src/0.33.0:/tmp/vllm-src/0.34.0`` (wheels unzipped, e.g.
+    ``pip download --no-deps vllm==0.34.0``): their Python imports here without their compiled
+    parts, enough to resolve vLLM's classes and build kvd's on them."""
+    program = (
+        "import vllm, kvd.vllm.connector as c; "
+        "print(vllm.__version__, vllm.__file__, c.KvdWorker.__mro__[1].__name__)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(source), str(ROOT)])},
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    version, path, worker_base = done.stdout.split()[-3:]
+    assert path.startswith(str(source)) and worker_base == "NixlPullConnectorWorker"
+    assert f"vLLM {version}: kvd.vllm" in done.stderr  # the startup line
