@@ -316,9 +316,11 @@ class KvdWorker(NixlPullConnectorWorker):
         state = link.state
         if state is State.GONE or covered is None:
             # No kvd to wait for, or landed blocks a ReadDone cannot describe: vLLM recomputes.
-            why = (
-                f"the READ covered sub-blocks {covered_range}" if covered is None else "kvd is gone"
-            )
+            why = "kvd is gone"
+            if covered is None:
+                why = (
+                    f"its READ filled sub-blocks {covered_range or 'none'}, which no ReadDone says"
+                )
             log.warning("%s: request %s is recomputed", why, req_id)
             results.finished_recving.add(req_id)
             results.failed_recving.add(req_id)
