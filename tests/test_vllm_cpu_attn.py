@@ -28,7 +28,10 @@ def vllm_ops() -> tuple[ModuleType, Any]:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            import vllm._custom_ops as ops
+            try:  # vLLM 0.34 moved the CPU kernels' wrappers out of _custom_ops
+                import vllm._cpu_ops as ops
+            except ModuleNotFoundError:
+                import vllm._custom_ops as ops  # type: ignore[no-redef]
             from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
     except Exception as exc:  # noqa: BLE001 (any failure to load vLLM means: not here)
         pytest.skip(f"vLLM's CPU build is not importable: {type(exc).__name__}: {exc}")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvd.protocol import Failed, Ready
-from kvd.vllm.formats import UnknownFormat, page_format, remote_page_format
+from kvd.vllm.formats import NO_GUESS, UnknownFormat, page_format, remote_page_format
 from kvd.vllm.holding import Held, Holding
 from kvd.vllm.shm import ShmAllocation, reap
 
@@ -32,6 +32,32 @@ def test_known_formats_are_named_and_the_rest_refused() -> None:
         page_format("FLASH_ATTN", "LBHNC", isa=None, use_mla=True, kv_cache_dtype="auto")
     with pytest.raises(UnknownFormat, match="fp8"):
         page_format("FLASH_ATTN", "LBHNC", isa=None, use_mla=False, kv_cache_dtype="fp8")
+
+
+@pytest.mark.parametrize(
+    ("engine", "named", "avoid"),
+    [
+        (("CPU_ATTN", "LBHNC", "amx", "auto"), "ISA 'amx'", "--dtype float16"),
+        (("CPU_ATTN", "LBHNC", "neon", "auto"), "ISA 'neon'", "own NixlConnector at equal"),
+        (("CPU_ATTN", "LBHNC", "avx10", "auto"), "ISA 'avx10'", "no setting kvd knows selects"),
+        (("CPU_ATTN", "LBHNC", None, "auto"), "unknown ISA", "CPUs of one kind"),
+        (("TRITON_ATTN", "LBHNC", None, "auto"), "'TRITON_ATTN'", "--attention-backend"),
+        (("FLASH_ATTN", "XYZ", None, "auto"), "layout 'XYZ'", "VLLM_KV_CACHE_LAYOUT unset"),
+        (("FLASH_ATTN", "LBHNC", None, "nvfp4"), "'nvfp4'", "kv_cache_dtype='auto'"),
+    ],
+)
+def test_a_refusal_names_what_says_why_and_what_avoids_it(
+    engine: tuple[str, str, str | None, str], named: str, avoid: str
+) -> None:
+    backend, layout, isa, dtype = engine
+    with pytest.raises(UnknownFormat) as refused:
+        page_format(backend, layout, isa=isa, use_mla=False, kv_cache_dtype=dtype)
+    assert named in refused.value.what
+    assert refused.value.avoid is not None and avoid in refused.value.avoid
+    assert (
+        str(refused.value)
+        == f"{refused.value.what}. {NO_GUESS}. To avoid it: {refused.value.avoid}."
+    )
 
 
 def test_a_remote_cpu_engine_is_read_with_the_local_isa() -> None:

@@ -25,22 +25,16 @@ import time
 from collections import deque
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+from kvd.vllm.connector import (
     KVConnectorRole,
     KVConnectorTransferResults,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
+    KvdConnector,
+    KvdWorker,
     NixlBaseConnector,
     NixlPullConnector,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
     NixlPullConnectorScheduler,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
     NixlPullConnectorWorker,
 )
-
-from kvd.vllm.connector import KvdConnector, KvdWorker
 
 MAX_STEPS = 200_000
 """Steps kept per run (the oldest are dropped): an idle engine polls every step, so a long run

@@ -2,7 +2,7 @@
 
 ``KvdConnector`` needs vLLM (an optional dependency: ``pip install 'kvd[vllm]'``), imported when
 the class is first looked up, so the pure parts of this package (``formats``, ``holding``,
-``shm``) import without it; kvd itself never imports vLLM.
+``hooks``, ``shm``) import without it; kvd itself never imports vLLM.
 """
 
 from __future__ import annotations

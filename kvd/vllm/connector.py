@@ -1,4 +1,7 @@
-"""``KvdConnector``: vLLM 0.32's NIXL connector with the decode-side post-process done by kvd.
+"""``KvdConnector``: vLLM's NIXL connector with the decode-side post-process done by kvd.
+
+Tested with vLLM 0.32; vLLM's classes are found by what they offer (``kvd.vllm.hooks``), and
+the startup log says which vLLM runs and whether kvd was tested with it.
 
 Load it with ``KVTransferConfig(kv_connector="KvdConnector", kv_connector_module_path="kvd.vllm",
 kv_role=..., kv_connector_extra_config={"kvd_runtime_dir": ...})``. The scheduler side, the
@@ -32,20 +35,6 @@ import time
 from typing import Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorRole,
-    KVConnectorTransferResults,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
-    NixlBaseConnector,
-    NixlPullConnector,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
-    NixlPullConnectorScheduler,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
-    NixlPullConnectorWorker,
-)
 
 from kvd.client import (
     Client,
@@ -58,13 +47,32 @@ from kvd.client import (
 from kvd.dtypes import dtype_name
 from kvd.protocol import CACHE_ID_MAX, Event, MemoryRef, ShmRef, TensorSpec
 from kvd.vllm.formats import UnknownFormat, page_format, remote_page_format
-from kvd.vllm.holding import Held, Holding, Released
+from kvd.vllm.holding import Held, Holding, Released, covered_sub_blocks
+from kvd.vllm.hooks import (
+    WORKER_ATTRIBUTES,
+    VllmIncompatible,
+    attn_isa_function,
+    missing_attributes,
+    resolve_nixl,
+    version_note,
+)
 from kvd.vllm.link import Attachment, GiveUp, KvdLink, Resend, State
 from kvd.vllm.shm import ShmAllocation
 from kvd.vllm.stats import HandoffStats
 
 # Under "vllm.", so vLLM's own log handler shows these lines with the engine's.
 log = logging.getLogger("vllm.kvd")
+
+# vLLM's classes, found by what they offer (kvd.vllm.hooks); a vLLM without them stops here.
+_nixl = resolve_nixl()
+KVConnectorRole: Any = _nixl.connector_role
+KVConnectorTransferResults: Any = _nixl.transfer_results
+NixlBaseConnector: Any = _nixl.base_connector
+NixlPullConnector: Any = _nixl.pull_connector
+NixlPullConnectorScheduler: Any = _nixl.pull_scheduler
+NixlPullConnectorWorker: Any = _nixl.pull_worker
+_tested, _version_line = version_note(_nixl.version)
+log.log(logging.INFO if _tested else logging.WARNING, "%s", _version_line)
 
 DOWN_TIMEOUT_S = 10.0
 """How long held requests wait for a kvd that is not running before they are failed."""
@@ -85,6 +93,11 @@ class KvdWorker(NixlPullConnectorWorker):
 
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, engine_id, kv_cache_config)
+        if missing := missing_attributes(self, WORKER_ATTRIBUTES):
+            raise KvdConnectorError(
+                f"vLLM {_nixl.version}: its NIXL worker has no {', '.join(missing)}, which "
+                "kvd.vllm reads (this vLLM is newer than kvd.vllm knows)"
+            )
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         found = resolve_runtime_dir(extra.get("kvd_runtime_dir") or None, gpu=str(self.tp_rank))
         assert found is not None  # no explicit endpoints: always a directory
@@ -153,11 +166,13 @@ class KvdWorker(NixlPullConnectorWorker):
     def _page_format(self) -> str:
         cache_dtype = str(self.vllm_config.cache_config.cache_dtype)
         if self.backend_name == "CPU_ATTN":
-            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
+            try:
+                get_attn_isa = attn_isa_function(self.attn_backends[0])
+            except VllmIncompatible as exc:
+                raise KvdConnectorError(str(exc)) from exc
             model_dtype = self.model_config.dtype
             assert isinstance(model_dtype, torch.dtype)  # resolved when the engine started
-            self._isa = _get_attn_isa(
+            self._isa = get_attn_isa(
                 model_dtype,
                 self.block_size,
                 self.model_config.get_head_size(),
@@ -291,21 +306,33 @@ class KvdWorker(NixlPullConnectorWorker):
         remote_format, remote_block_size = self._remotes[engine_id]
         local = meta.local_physical_block_ids[0]
         ratio = max(1, self.block_size // remote_block_size)
+        # vLLM 0.34 records the sub-blocks its READ covered (pairing blocks from the last token);
+        # earlier versions cover them from the first.
+        ranges = getattr(meta, "covered_sub_blocks", None)
+        covered_range = ranges[0] if ranges else None
+        covered = covered_sub_blocks(
+            len(local), ratio, len(meta.remote.block_ids[0]), covered_range
+        )
+        state = link.state
+        if state is State.GONE or covered is None:
+            # No kvd to wait for, or landed blocks a ReadDone cannot describe: vLLM recomputes.
+            why = "kvd is gone"
+            if covered is None:
+                why = (
+                    f"its READ filled sub-blocks {covered_range or 'none'}, which no ReadDone says"
+                )
+            log.warning("%s: request %s is recomputed", why, req_id)
+            results.finished_recving.add(req_id)
+            results.failed_recving.add(req_id)
+            return
         held = Held(
             req_id=req_id,
             block_ids=[int(b) for b in local],
             remote_block_size=remote_block_size,
             remote_format=remote_format,
-            covered_sub_blocks=min(len(local) * ratio, len(meta.remote.block_ids[0])),
+            covered_sub_blocks=covered,
             remote_engine_id=engine_id,
         )
-        state = link.state
-        if state is State.GONE:
-            # No kvd to wait for: vLLM recomputes it now.
-            log.warning("kvd is gone: request %s is recomputed", req_id)
-            results.finished_recving.add(req_id)
-            results.failed_recving.add(req_id)
-            return
         self._holding.hold(held)
         if state is State.UP and not link.send(_read_done(self.cache_id, held)):
             self._unsent.append(held)
@@ -378,6 +405,23 @@ class KvdConnector(NixlPullConnector):
     def get_mem_pool_context(self) -> Any:
         worker = self.connector_worker
         return worker.allocation if isinstance(worker, KvdWorker) else None
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.33+ asks (0.32 has no sleep hooks): a decode worker's KV cache is mapped by
+        kvd, and sleep would unmap or deregister it under kvd; a prefill worker is vLLM's."""
+        if kv_transfer_config.kv_role == "kv_producer":
+            return bool(super().supports_sleep_mode(kv_transfer_config))
+        return False
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        """vLLM 0.34+ asks: kvd maps a decode GPU's KV cache through legacy CUDA IPC, which
+        cannot export the driver-mapped memory of vLLM's extensible KV cache, so it stays off."""
+        access = super().kv_cache_access(kv_transfer_config)
+        if kv_transfer_config.kv_role == "kv_producer":
+            return access
+        return access | type(access).LEGACY_IPC
 
 
 def _read_done(cache_id: str, held: Held) -> bytes:

@@ -1,9 +1,9 @@
-"""Which kvd page format a vLLM 0.32 KV cache uses: from its attention backend, its
+"""Which kvd page format a vLLM KV cache uses: from its attention backend, its
 ``KVCacheLayout`` and, on CPU, the ISA of the attention kernel. Pure logic, no vLLM import.
 
 Only formats verified against vLLM's own write kernels are named; anything else is refused with
-an error that says which backend, layout or ISA kvd does not know, never guessed: a wrong guess
-would corrupt every transferred block without an error.
+an error that names the backend, layout, ISA or dtype, says why kvd will not guess, and names
+the setting that avoids it where one exists.
 """
 
 from __future__ import annotations
@@ -17,8 +17,39 @@ KV_CACHE_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 CPU_ATTN_VEC_ISAS = ("vec", "vec16")
 
 
+NO_GUESS = (
+    "kvd will not guess a page format it has not verified against vLLM's own write kernel: "
+    "a wrong guess rewrites every transferred block wrong, with no error anywhere"
+)
+_WITHOUT_KVD = (
+    "serve this pair with vLLM's own NixlConnector at equal prefill and decode block sizes, "
+    "where vLLM merges nothing"
+)
+# What avoids each CPU attention ISA kvd does not know, from vLLM's _get_attn_isa (cpu_attn.py,
+# alike in 0.32, 0.33 and 0.34): "amx" is bfloat16 on a CPU with AMX tiles at a block size
+# divisible by 32, and the CPU backend's kernels take multiples of 32 only; "neon" is every ARM
+# CPU; "vxe", "vsx", "rvv" are s390x, POWER and RISC-V at block sizes divisible by 32.
+_ISA_AVOID = {
+    "amx": (
+        "run the model in float16 or float32 (vLLM's dtype setting, e.g. --dtype float16), "
+        "for which vLLM picks 'vec'; a block size does not help, as every block size the CPU "
+        "backend takes (multiples of 32) selects 'amx' for bfloat16"
+    ),
+    "neon": f"vLLM picks 'neon' on every ARM CPU: {_WITHOUT_KVD}",
+}
+
+
 class UnknownFormat(RuntimeError):
-    """A KV cache whose page format kvd does not know; the message names what."""
+    """A KV cache whose page format kvd does not know: the message names what, says why kvd
+    will not guess, and names the setting that avoids it (``avoid``) where one exists."""
+
+    def __init__(self, what: str, avoid: str | None = None) -> None:
+        message = f"{what}. {NO_GUESS}."
+        if avoid:
+            message += f" To avoid it: {avoid}."
+        super().__init__(message)
+        self.what = what
+        self.avoid = avoid
 
 
 def page_format(
@@ -33,27 +64,41 @@ def page_format(
         raise UnknownFormat("MLA KV caches: kvd.vllm does not know vLLM 0.32's MLA page format yet")
     if kv_cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
         raise UnknownFormat(
-            f"kv_cache_dtype {kv_cache_dtype!r}: kvd.vllm knows unquantized caches only"
+            f"kv_cache_dtype {kv_cache_dtype!r}: kvd.vllm knows unquantized caches only",
+            avoid="kv_cache_dtype='auto' (the model's dtype)",
         )
     if backend == "CPU_ATTN":
         if isa is None:
-            raise UnknownFormat("CPU_ATTN with an unknown ISA: kvd cannot tell its page format")
+            raise UnknownFormat(
+                "CPU_ATTN with an unknown ISA (a CPU prefill engine's ISA is not in the NIXL "
+                "handshake, and this decode engine is not a CPU one to compare with): kvd "
+                "cannot tell its page format",
+                avoid="run prefill and decode on CPUs of one kind",
+            )
         if isa not in CPU_ATTN_VEC_ISAS:
             raise UnknownFormat(
                 f"CPU_ATTN with ISA {isa!r}: kvd knows the page format of ISAs "
-                f"{', '.join(CPU_ATTN_VEC_ISAS)} only"
+                f"{', '.join(CPU_ATTN_VEC_ISAS)} only",
+                avoid=_ISA_AVOID.get(
+                    isa, f"no setting kvd knows selects those here: {_WITHOUT_KVD}"
+                ),
             )
         return "cpu_attn_vec"
     if backend in PACKED_KV_BACKENDS:
         if kv_cache_layout not in KV_CACHE_LAYOUTS:
             raise UnknownFormat(
                 f"{backend} with KV cache layout {kv_cache_layout!r}: kvd knows "
-                f"{', '.join(KV_CACHE_LAYOUTS)}"
+                f"{', '.join(KV_CACHE_LAYOUTS)}",
+                avoid="leave VLLM_KV_CACHE_LAYOUT unset (vLLM's NIXL connector asks for LBHNC)",
             )
         return kv_cache_layout
     raise UnknownFormat(
         f"attention backend {backend!r}: kvd.vllm knows the pages of CPU_ATTN and "
-        f"{', '.join(PACKED_KV_BACKENDS)}"
+        f"{', '.join(PACKED_KV_BACKENDS)}",
+        avoid=(
+            f"select {' or '.join(PACKED_KV_BACKENDS)} with vLLM's --attention-backend on the "
+            "engine that uses it"
+        ),
     )
 
 

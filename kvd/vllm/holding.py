@@ -28,6 +28,26 @@ class Held:
     sent_at: float = field(default_factory=time.monotonic)
 
 
+def covered_sub_blocks(
+    local_blocks: int, ratio: int, remote_blocks: int, covered: range | None
+) -> int | None:
+    """How many remote-sized sub-blocks a READ filled, counted from the request's first local
+    block, as a ReadDone says it; None where a ReadDone cannot say it: a READ that filled none,
+    or left the first ones unwritten.
+
+    ``covered`` is vLLM 0.34's range of filled sub-blocks (``ReqMeta.covered_sub_blocks``: it
+    pairs local and remote blocks from the last token, so a range may start past 0); without
+    it, as vLLM 0.32 and 0.33 count: ``min(local_blocks * ratio, remote_blocks)``.
+    """
+    if covered is None:
+        count = min(local_blocks * ratio, remote_blocks)
+    elif covered.start == 0:
+        count = covered.stop
+    else:
+        return None
+    return count or None
+
+
 @dataclass(slots=True)
 class Released:
     """Requests to report to vLLM: finished receiving, and (a subset) failed."""
