@@ -259,6 +259,50 @@ def test_status_knows_a_request_that_needed_no_work(
     sub.close()
 
 
+def test_an_identity_rewrite_is_answered_untouched_and_counted_apart(client: Client) -> None:
+    """MLA pages are token-major: sub-pages landed back to back already sit where the local
+    page wants them, at any ratio. kvd answers those Ready without touching a byte and counts
+    them in ``ready_untouched``; a partly covered request still has its tail zeroed."""
+    cache = ShmCache.create(
+        num_layers=2, num_blocks=8, block_size=16, num_heads=1, head_dim=576,
+        dtype="bfloat16", layout="NHD", kv_arrangement="mla",
+    )  # fmt: skip
+    try:
+        cache_id = unique("mla")
+        client.attach(cache_id, cache.specs)
+        before = fill(cache, 5)
+        counters = client.status().counters
+        sub = client.subscribe([cache_id])
+        identity = {"same": ([1], 1, 0), "merged": ([2, 3], 2, 0)}  # block ids, ratio, covered
+        for req_id, (blocks, ratio, covered) in identity.items():
+            client.read_done(
+                req_id, cache_id, blocks, remote_format="mla", block_size_ratio=ratio,
+                covered_sub_blocks=covered,
+            )  # fmt: skip
+        events = by_req(collect(sub, 2))
+        assert all(isinstance(e, Ready) for e in events.values()), events
+        now = client.status().counters
+        assert now["ready_untouched"] - counters["ready_untouched"] == 2
+        assert now["blocks_processed"] == counters["blocks_processed"]
+        for tensor, was in zip(cache.tensors, before, strict=True):
+            assert same_bytes(tensor, was)
+
+        client.read_done(  # the second remote page of block 4 did not land: zeroed
+            "partial", cache_id, [4], remote_format="mla", block_size_ratio=2, covered_sub_blocks=1
+        )
+        (delivery,) = collect(sub, 1)
+        assert isinstance(delivery.event, Ready)
+        final = client.status().counters
+        assert final["ready_untouched"] == now["ready_untouched"]
+        assert final["blocks_processed"] == now["blocks_processed"] + 1
+        for tensor, was in zip(cache.tensors, before, strict=True):
+            assert same_bytes(tensor[4, :8], was[4, :8]) and not tensor[4, 8:].any()
+        sub.close()
+        client.detach(cache_id)
+    finally:
+        cache.close()
+
+
 def test_undecodable_and_oversized_frames(
     client: Client, small_cache: tuple[str, ShmCache]
 ) -> None:

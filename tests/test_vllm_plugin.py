@@ -28,7 +28,7 @@ def test_known_formats_are_named_and_the_rest_refused() -> None:
     ]:
         with pytest.raises(UnknownFormat, match=named):
             page_format(*args, isa="amx", **cpu)
-    with pytest.raises(UnknownFormat, match="MLA"):
+    with pytest.raises(UnknownFormat, match="MLA attention backend 'FLASH_ATTN'"):
         page_format("FLASH_ATTN", "LBHNC", isa=None, use_mla=True, kv_cache_dtype="auto")
     with pytest.raises(UnknownFormat, match="fp8"):
         page_format("FLASH_ATTN", "LBHNC", isa=None, use_mla=False, kv_cache_dtype="fp8")
@@ -58,6 +58,20 @@ def test_a_refusal_names_what_says_why_and_what_avoids_it(
         str(refused.value)
         == f"{refused.value.what}. {NO_GUESS}. To avoid it: {refused.value.avoid}."
     )
+
+
+def test_mla_caches_are_token_major_latent_pages_of_one_tensor_per_layer() -> None:
+    mla = {"isa": None, "use_mla": True, "kv_cache_dtype": "auto"}
+    for backend in ("CPU_MLA", "AMX_MLA", "FLASHMLA", "TRITON_MLA", "FLASH_ATTN_MLA"):
+        for layout in ("LBHNC", "LBNHC", "LHBNC"):
+            assert page_format(backend, layout, **mla) == "mla"
+    with pytest.raises(UnknownFormat, match=r"'BLHNC'.*one tensor per layer"):
+        page_format("CUTLASS_MLA", "BLHNC", **mla)
+    with pytest.raises(UnknownFormat, match="fp8"):
+        page_format("FLASHMLA", "LBHNC", isa=None, use_mla=True, kv_cache_dtype="fp8")
+    # A prefill engine's handshake names its backend only: an MLA one has MLA pages.
+    same = {"local": "mla", "local_isa": None, "kv_cache_dtype": "auto"}
+    assert remote_page_format("CPU_MLA", "LBHNC", **same) == "mla"
 
 
 def test_a_remote_cpu_engine_is_read_with_the_local_isa() -> None:

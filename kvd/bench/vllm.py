@@ -145,8 +145,15 @@ class Prefill(Engine):
     """A prefill instance serving ``baseline`` and ``prefill`` requests."""
 
     def __init__(
-        self, work: Path, model: Path, connector: str, module: str | None, block_size: int
+        self,
+        work: Path,
+        model: Path,
+        connector: str,
+        module: str | None,
+        block_size: int,
+        **engine: Any,
     ) -> None:
+        """``engine`` adds to the engine config (dtype, attention_backend)."""
         self.endpoint = f"ipc://{work}/prefill-{next(_ids)}.sock"
         config = {
             "role": "kv_producer",
@@ -156,6 +163,7 @@ class Prefill(Engine):
             "module": module,
             "engine_id": f"prefill-{connector.lower()}-{next(_ids)}",
             "endpoint": self.endpoint,
+            **engine,
         }
         super().__init__(work, "prefill", config, core=0)
 
@@ -187,8 +195,9 @@ def run_decode(
     work: Path, model: Path, prefill: Prefill, block_size: int, **config: Any
 ) -> dict[str, Any]:
     """One decode instance from ``prefill``; ``config`` adds to its engine config (connector,
-    module, extra, mode, max_tokens, prompt_lengths). A run whose vLLM handshake with the
-    prefill failed is run once more, with new requests (``result["handshake_retries"]``)."""
+    module, extra, mode, max_tokens, prompt_lengths, dtype, attention_backend). A run whose
+    vLLM handshake with the prefill failed is run once more, with new requests
+    (``result["handshake_retries"]``)."""
     for attempt in range(2):
         out = work / f"decode-{next(_ids)}.json"
         full = {

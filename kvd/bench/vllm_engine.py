@@ -88,6 +88,77 @@ def make_model(directory: Path, seed: int = 0) -> Path:
     return directory
 
 
+MLA_HEADS, KV_LORA_RANK, QK_ROPE_HEAD_DIM, QK_NOPE_HEAD_DIM, V_HEAD_DIM = 4, 512, 64, 32, 32
+"""vLLM 0.32's CPU MLA kernels compile for one latent size only, kv_lora_rank 512 + rope 64
+(``get_supported_head_sizes``: 576); the per-head dims are free, so they stay small."""
+
+
+def make_mla_model(directory: Path, seed: int = 0) -> Path:
+    """A 2-layer DeepSeek-V2 with MLA (no q LoRA, no MoE: every MLP dense), seeded random
+    weights, the Llama's hidden size and vocabulary: its KV cache is one 576-element latent
+    vector per token."""
+    import torch
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v2",
+        "hidden_size": HIDDEN,
+        "intermediate_size": FFN,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": MLA_HEADS,
+        "num_key_value_heads": MLA_HEADS,
+        "q_lora_rank": None,
+        "kv_lora_rank": KV_LORA_RANK,
+        "qk_rope_head_dim": QK_ROPE_HEAD_DIM,
+        "qk_nope_head_dim": QK_NOPE_HEAD_DIM,
+        "v_head_dim": V_HEAD_DIM,
+        # transformers wants an int here; layers from first_k_dense_replace on would be MoE.
+        "n_routed_experts": 4,
+        "first_k_dense_replace": LAYERS,
+        "hidden_act": "silu",
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "vocab_size": VOCAB,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
+    (directory / "generation_config.json").write_text('{"bos_token_id": 1, "eos_token_id": 2}')
+    g = torch.Generator().manual_seed(seed)
+
+    def weight(rows: int, cols: int, gain: float) -> torch.Tensor:
+        return (torch.randn(rows, cols, generator=g) * gain / math.sqrt(cols)).contiguous()
+
+    qk_head_dim = QK_NOPE_HEAD_DIM + QK_ROPE_HEAD_DIM
+    state = {"model.embed_tokens.weight": weight(VOCAB, HIDDEN, math.sqrt(HIDDEN))}
+    for layer in range(LAYERS):
+        p = f"model.layers.{layer}."
+        # Sharp attention and spread logits, as in make_model: a wrong latent shows at once.
+        state[p + "self_attn.q_proj.weight"] = weight(MLA_HEADS * qk_head_dim, HIDDEN, 2)
+        state[p + "self_attn.kv_a_proj_with_mqa.weight"] = weight(
+            KV_LORA_RANK + QK_ROPE_HEAD_DIM, HIDDEN, 2
+        )
+        state[p + "self_attn.kv_a_layernorm.weight"] = torch.ones(KV_LORA_RANK)
+        state[p + "self_attn.kv_b_proj.weight"] = weight(
+            MLA_HEADS * (QK_NOPE_HEAD_DIM + V_HEAD_DIM), KV_LORA_RANK, 2
+        )
+        state[p + "self_attn.o_proj.weight"] = weight(HIDDEN, MLA_HEADS * V_HEAD_DIM, 1)
+        state[p + "mlp.gate_proj.weight"] = weight(FFN, HIDDEN, 1)
+        state[p + "mlp.up_proj.weight"] = weight(FFN, HIDDEN, 1)
+        state[p + "mlp.down_proj.weight"] = weight(HIDDEN, FFN, 1)
+        state[p + "input_layernorm.weight"] = torch.ones(HIDDEN)
+        state[p + "post_attention_layernorm.weight"] = torch.ones(HIDDEN)
+    state["model.norm.weight"] = torch.ones(HIDDEN)
+    state["lm_head.weight"] = weight(VOCAB, HIDDEN, 3)
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory
+
+
 def prompts(lengths: tuple[int, ...] = PROMPT_LENGTHS, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in lengths]
@@ -135,6 +206,11 @@ def make_llm(config: dict[str, Any]) -> Any:
         seed=0,
         enable_prefix_caching=False,
         kv_transfer_config=transfer,
+        # vLLM picks the CPU backend; a config names one where it must be pinned (CPU_MLA
+        # for a float32 MLA model on a CPU with AMX, where vLLM would pick AMX_MLA, bf16 only).
+        attention_config={"backend": config["attention_backend"]}
+        if config.get("attention_backend")
+        else None,
     )
 
 

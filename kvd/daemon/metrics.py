@@ -180,6 +180,12 @@ class Metrics:
         self.messages = self.counter(
             "kvd_ingest_messages_total", "Messages received on the ingest socket."
         )
+        self.ready_untouched = self.counter(
+            "kvd_ready_untouched_total",
+            "Requests answered Ready at once, no byte touched: the rewrite is the identity "
+            "(e.g. MLA or NHD pages at any block sizes, all covered) or lists no block. "
+            "Counted in kvd_requests_total{outcome=ready} too.",
+        )
         self.blocks = self.counter("kvd_blocks_processed_total", "Blocks post-processed.")
         self.bytes = self.counter("kvd_bytes_processed_total", "Bytes of blocks post-processed.")
         self.batches = self.counter("kvd_batches_total", "Batches launched on the executor.")

@@ -219,6 +219,7 @@ class Pipeline:
             ),
         )
         self._count_answer(True, elapsed_ns)
+        self.metrics.ready_untouched.value += 1
         self.ledger.untouched.put((cache_id, msg.req_id), (msg.generation, "", ""))
 
     def _count_answer(self, ready: bool, elapsed_ns: int) -> None:

@@ -199,20 +199,22 @@ class KvdWorker(NixlPullConnectorWorker):
             if tensor.data_ptr() in seen:
                 continue
             seen.add(tensor.data_ptr())
-            num_blocks, heads, block_size, content = tensor.shape
+            # [B, H, N, C]; an MLA cache has H = 1 and C one latent vector, not K then V.
+            _, heads, block_size, content = tensor.shape
             dtype = dtype_name(tensor.dtype)
             if dtype is None or not tensor.is_contiguous():
                 raise KvdConnectorError(f"{name}: a {tensor.dtype} KV cache kvd cannot attach")
+            mla = self._local_format == "mla"
             specs.append(
                 TensorSpec(
                     name=name,
-                    shape=[num_blocks, heads, block_size, content],
+                    shape=list(tensor.shape),
                     dtype=dtype,
                     block_size=block_size,
                     memory=self._memory(tensor),
                     page_format=self._local_format,
                     num_heads=heads,
-                    head_dim=content // 2,
+                    head_dim=content if mla else content // 2,
                 )
             )
         return specs

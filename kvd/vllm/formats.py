@@ -15,6 +15,14 @@ KV_CACHE_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 # vLLM's CPU attention ("CPU_ATTN") writes, per (block, head), K transposed [head_dim][block]
 # then V [block][head_dim] under these ISAs (checked by running cpu_attn_reshape_and_cache).
 CPU_ATTN_VEC_ISAS = ("vec", "vec16")
+# vLLM 0.32's MLA backends: the cache is the logical [B, H=1, N, C] of every backend, C one
+# latent vector (kv_lora_rank + qk_rope_head_dim) per token, no separate K/V (MLAAttentionSpec,
+# head_size_v 0); none overrides the shape. With one head every per-layer KVCacheLayout is
+# token-major: the kvd preset "mla". Checked on CPU by running the write ops (CPU_MLA's
+# do_kv_cache_update, AMX_MLA's concat_and_cache_mla_cpu: tests/test_vllm_mla.py); the GPU
+# backends' Python was read (their concat_and_cache_mla kernel cannot run here).
+MLA_BACKENDS = ("CPU_MLA", "AMX_MLA", "FLASHMLA", "TRITON_MLA", "FLASH_ATTN_MLA", "CUTLASS_MLA")
+PER_LAYER_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC")
 
 
 NO_GUESS = (
@@ -60,13 +68,13 @@ def page_format(
     ``isa`` is the CPU attention ISA (``_get_attn_isa``) for the CPU backend: required there,
     ignored elsewhere (None when unknown: a remote CPU engine's ISA is not in the handshake).
     """
-    if use_mla:
-        raise UnknownFormat("MLA KV caches: kvd.vllm does not know vLLM 0.32's MLA page format yet")
     if kv_cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
         raise UnknownFormat(
             f"kv_cache_dtype {kv_cache_dtype!r}: kvd.vllm knows unquantized caches only",
             avoid="kv_cache_dtype='auto' (the model's dtype)",
         )
+    if use_mla or backend in MLA_BACKENDS:
+        return _mla_format(backend, kv_cache_layout)
     if backend == "CPU_ATTN":
         if isa is None:
             raise UnknownFormat(
@@ -100,6 +108,21 @@ def page_format(
             "engine that uses it"
         ),
     )
+
+
+def _mla_format(backend: str, kv_cache_layout: str) -> str:
+    if backend not in MLA_BACKENDS:
+        raise UnknownFormat(
+            f"MLA attention backend {backend!r}: kvd.vllm knows the MLA pages of "
+            f"{', '.join(MLA_BACKENDS)}"
+        )
+    if kv_cache_layout not in PER_LAYER_LAYOUTS:
+        # A cross-layer layout puts every layer in one page: not the "mla" preset.
+        raise UnknownFormat(
+            f"{backend} with KV cache layout {kv_cache_layout!r}: kvd knows MLA caches of "
+            f"one tensor per layer ({', '.join(PER_LAYER_LAYOUTS)})"
+        )
+    return "mla"
 
 
 def remote_page_format(
