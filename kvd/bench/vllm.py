@@ -145,13 +145,21 @@ class Prefill(Engine):
     """A prefill instance serving ``baseline`` and ``prefill`` requests."""
 
     def __init__(
-        self, work: Path, model: Path, connector: str, module: str | None, block_size: int
+        self,
+        work: Path,
+        model: Path,
+        connector: str,
+        module: str | None,
+        block_size: int,
+        *,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.endpoint = f"ipc://{work}/prefill-{next(_ids)}.sock"
         config = {
             "role": "kv_producer",
             "model": str(model),
             "block_size": block_size,
+            "kv_cache_dtype": kv_cache_dtype,
             "connector": connector,
             "module": module,
             "engine_id": f"prefill-{connector.lower()}-{next(_ids)}",
@@ -181,7 +189,7 @@ def run_decode(
     work: Path, model: Path, prefill: Prefill, block_size: int, **config: Any
 ) -> dict[str, Any]:
     """One decode instance from ``prefill``; ``config`` adds to its engine config (connector,
-    module, extra, mode, max_tokens, prompt_lengths)."""
+    module, extra, mode, max_tokens, prompt_lengths, kv_cache_dtype)."""
     out = work / f"decode-{next(_ids)}.json"
     full = {
         "role": "kv_consumer",

@@ -119,6 +119,7 @@ def make_llm(config: dict[str, Any]) -> Any:
         skip_tokenizer_init=True,
         load_format="safetensors",
         dtype=config.get("dtype", "float32"),
+        kv_cache_dtype=config.get("kv_cache_dtype", "auto"),
         block_size=config["block_size"],
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=config.get("max_num_seqs", 8),

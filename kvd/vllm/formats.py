@@ -15,6 +15,12 @@ KV_CACHE_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 # vLLM's CPU attention ("CPU_ATTN") writes, per (block, head), K transposed [head_dim][block]
 # then V [block][head_dim] under these ISAs (checked by running cpu_attn_reshape_and_cache).
 CPU_ATTN_VEC_ISAS = ("vec", "vec16")
+UNQUANTIZED_KV_DTYPES = ("auto", "bfloat16", "float16", "float32")
+# fp8 with static scales: one k_scale/v_scale per layer from the checkpoint (1.0 without one),
+# the same on both sides (vLLM's NIXL compatibility hash pins model and cache dtype). A page
+# holds only 1-byte elements, laid out as an unquantized page (cpu_attn_reshape_and_cache
+# checked for fp8_e4m3 and fp8_e5m2; "fp8" is fp8_e4m3), so kvd moves bytes and never scales.
+STATIC_SCALE_KV_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 class UnknownFormat(RuntimeError):
@@ -31,9 +37,11 @@ def page_format(
     """
     if use_mla:
         raise UnknownFormat("MLA KV caches: kvd.vllm does not know vLLM 0.32's MLA page format yet")
-    if kv_cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
+    if kv_cache_dtype not in UNQUANTIZED_KV_DTYPES + STATIC_SCALE_KV_DTYPES:
         raise UnknownFormat(
-            f"kv_cache_dtype {kv_cache_dtype!r}: kvd.vllm knows unquantized caches only"
+            f"kv_cache_dtype {kv_cache_dtype!r}: kvd.vllm knows unquantized caches and fp8 "
+            f"with static per-layer scales ({', '.join(STATIC_SCALE_KV_DTYPES)}), not caches "
+            "whose scales are computed as tokens are written (per token and head, per block)"
         )
     if backend == "CPU_ATTN":
         if isa is None:
