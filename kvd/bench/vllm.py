@@ -189,7 +189,8 @@ def run_decode(
     work: Path, model: Path, prefill: Prefill, block_size: int, **config: Any
 ) -> dict[str, Any]:
     """One decode instance from ``prefill``; ``config`` adds to its engine config (connector,
-    module, extra, mode, max_tokens, prompt_lengths, kv_cache_dtype)."""
+    module, extra, mode, max_tokens, prompt_lengths, kv_cache_dtype, also_prefill: more prefill
+    endpoints the batch mode reads the same requests from)."""
     out = work / f"decode-{next(_ids)}.json"
     full = {
         "role": "kv_consumer",

@@ -234,16 +234,21 @@ def decode(config: dict[str, Any]) -> None:
 
 
 def _batch(llm: Any, server: _PrefillServer, config: dict[str, Any]) -> list[dict[str, Any]]:
-    """The prompts at once, plus the control request."""
+    """The prompts at once, plus the control request; with ``also_prefill`` (endpoints), the
+    same requests again from each of those prefill servers, all in one batch (the results in
+    that order, prompts and control per server)."""
     from vllm import TokensPrompt
 
     base = prompts(tuple(config.get("prompt_lengths", PROMPT_LENGTHS)))
-    transfers = server.transfer_params([*base, base[1]])
-    requests = [*base, control_prompt(base[1])]
+    servers = [server, *(_PrefillServer(e) for e in config.get("also_prefill", []))]
+    requests: list[list[int]] = []
+    params = []
+    for each in servers:
+        transfers = each.transfer_params([*base, base[1]])
+        requests += [*base, control_prompt(base[1])]
+        params += [sampling(config["max_tokens"], dict(t)) for t in transfers]
     outputs = llm.generate(
-        [TokensPrompt(prompt_token_ids=p) for p in requests],
-        [sampling(config["max_tokens"], dict(t)) for t in transfers],
-        use_tqdm=False,
+        [TokensPrompt(prompt_token_ids=p) for p in requests], params, use_tqdm=False
     )
     return [summary(o) for o in outputs]
 
