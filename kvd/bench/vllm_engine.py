@@ -188,8 +188,8 @@ def serve_prefill(config: dict[str, Any]) -> None:
         tokens = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
         if request["op"] == "baseline":
             params = sampling(request["max_tokens"])
-        else:
-            params = sampling(1, REMOTE_DECODE)
+        else:  # no logprobs: nothing reads them, and their ranking compiles at a new batch
+            params = sampling(1, REMOTE_DECODE, None)
         outputs = llm.generate(tokens, params, use_tqdm=False)
         sock.send(msgspec.msgpack.encode([summary(o) for o in outputs]))
 
