@@ -30,8 +30,13 @@ def test_known_formats_are_named_and_the_rest_refused() -> None:
             page_format(*args, isa="amx", **cpu)
     with pytest.raises(UnknownFormat, match="MLA attention backend 'FLASH_ATTN'"):
         page_format("FLASH_ATTN", "LBHNC", isa=None, use_mla=True, kv_cache_dtype="auto")
-    with pytest.raises(UnknownFormat, match="fp8"):
-        page_format("FLASH_ATTN", "LBHNC", isa=None, use_mla=False, kv_cache_dtype="fp8")
+    for static in ("fp8", "fp8_e4m3", "fp8_e5m2"):  # 1-byte pages, scales per layer
+        fp8 = {"use_mla": False, "kv_cache_dtype": static}
+        assert page_format("CPU_ATTN", "LBHNC", isa="vec", **fp8) == "cpu_attn_vec"
+        assert page_format("FLASH_ATTN", "LBHNC", isa=None, **fp8) == "LBHNC"
+    for dynamic in ("fp8_per_token_head", "int8_per_token_head", "nvfp4", "fp8_ds_mla"):
+        with pytest.raises(UnknownFormat, match=f"{dynamic}.*static per-layer scales"):
+            page_format("FLASH_ATTN", "LBHNC", isa=None, use_mla=False, kv_cache_dtype=dynamic)
 
 
 @pytest.mark.parametrize(

@@ -153,7 +153,7 @@ class Prefill(Engine):
         block_size: int,
         **engine: Any,
     ) -> None:
-        """``engine`` adds to the engine config (dtype, attention_backend)."""
+        """``engine`` adds to the engine config (dtype, kv_cache_dtype, attention_backend)."""
         self.endpoint = f"ipc://{work}/prefill-{next(_ids)}.sock"
         config = {
             "role": "kv_producer",
@@ -195,7 +195,8 @@ def run_decode(
     work: Path, model: Path, prefill: Prefill, block_size: int, **config: Any
 ) -> dict[str, Any]:
     """One decode instance from ``prefill``; ``config`` adds to its engine config (connector,
-    module, extra, mode, max_tokens, prompt_lengths, dtype, attention_backend). A run whose
+    module, extra, mode, max_tokens, prompt_lengths, dtype, kv_cache_dtype, attention_backend,
+    also_prefill: more prefill endpoints the batch mode reads the same requests from). A run whose
     vLLM handshake with the prefill failed is run once more, with new requests
     (``result["handshake_retries"]``)."""
     for attempt in range(2):

@@ -197,6 +197,7 @@ def make_llm(config: dict[str, Any]) -> Any:
         skip_tokenizer_init=True,
         load_format="safetensors",
         dtype=config.get("dtype", "float32"),
+        kv_cache_dtype=config.get("kv_cache_dtype", "auto"),
         block_size=config["block_size"],
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=config.get("max_num_seqs", 8),
@@ -270,8 +271,8 @@ def serve_prefill(config: dict[str, Any]) -> None:
         tokens = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
         if request["op"] == "baseline":
             params = sampling(request["max_tokens"])
-        else:
-            params = sampling(1, REMOTE_DECODE)
+        else:  # no logprobs: nothing reads them, and their ranking compiles at a new batch
+            params = sampling(1, REMOTE_DECODE, None)
         outputs = llm.generate(tokens, params, use_tqdm=False)
         sock.send(msgspec.msgpack.encode([summary(o) for o in outputs]))
 
@@ -316,16 +317,21 @@ def decode(config: dict[str, Any]) -> None:
 
 
 def _batch(llm: Any, server: _PrefillServer, config: dict[str, Any]) -> list[dict[str, Any]]:
-    """The prompts at once, plus the control request."""
+    """The prompts at once, plus the control request; with ``also_prefill`` (endpoints), the
+    same requests again from each of those prefill servers, all in one batch (the results in
+    that order, prompts and control per server)."""
     from vllm import TokensPrompt
 
     base = prompts(tuple(config.get("prompt_lengths", PROMPT_LENGTHS)))
-    transfers = server.transfer_params([*base, base[1]])
-    requests = [*base, control_prompt(base[1])]
+    servers = [server, *(_PrefillServer(e) for e in config.get("also_prefill", []))]
+    requests: list[list[int]] = []
+    params = []
+    for each in servers:
+        transfers = each.transfer_params([*base, base[1]])
+        requests += [*base, control_prompt(base[1])]
+        params += [sampling(config["max_tokens"], dict(t)) for t in transfers]
     outputs = llm.generate(
-        [TokensPrompt(prompt_token_ids=p) for p in requests],
-        [sampling(config["max_tokens"], dict(t)) for t in transfers],
-        use_tqdm=False,
+        [TokensPrompt(prompt_token_ids=p) for p in requests], params, use_tqdm=False
     )
     return [summary(o) for o in outputs]
 

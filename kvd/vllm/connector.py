@@ -6,7 +6,7 @@ the startup log says which vLLM runs and whether kvd was tested with it.
 Load it with ``KVTransferConfig(kv_connector="KvdConnector", kv_connector_module_path="kvd.vllm",
 kv_role=..., kv_connector_extra_config={"kvd_runtime_dir": ...})``. The scheduler side, the
 prefill side (``kv_role="kv_producer"``) and every NIXL transfer are vLLM's own; a decode worker
-differs in four places:
+differs in five places:
 
 - its KV cache is allocated in a /dev/shm file on CPU (``get_mem_pool_context``), and attached
   to kvd at ``register_kv_caches`` with its exact page format (CUDA IPC on GPU); a backend, layout
@@ -15,6 +15,10 @@ differs in four places:
   to kvd as a ReadDone (covered sub-blocks included) and held out of ``finished_recving``;
 - kvd's Ready releases it; kvd's Failed releases it as a failed receive, its blocks reported
   invalid, so ``kv_load_failure_policy="recompute"`` recomputes it;
+- a prefill engine with larger blocks (nP > nD), which vLLM refuses, is read in whole groups of
+  nP / nD local blocks per remote block and kvd splits them; the local blocks of a last remote
+  block too short for a whole group are reported invalid, for vLLM to recompute
+  (``kvd.vllm.split``);
 - a kvd restart is answered by attaching again and re-sending what is held (kvd answers from its
   journal); a kvd gone for ``kvd_down_timeout_s`` fails what is held. Nothing hangs, and nothing
   decodes from blocks kvd did not finish.
@@ -29,6 +33,7 @@ else kvd's default runtime directory for the worker's rank; an unreachable kvd i
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import time
@@ -58,6 +63,7 @@ from kvd.vllm.hooks import (
 )
 from kvd.vllm.link import Attachment, GiveUp, KvdLink, Resend, State
 from kvd.vllm.shm import ShmAllocation
+from kvd.vllm.split import SplitError, plan_split_read, split_remote_pages
 from kvd.vllm.stats import HandoffStats
 
 # Under "vllm.", so vLLM's own log handler shows these lines with the engine's.
@@ -117,6 +123,10 @@ class KvdWorker(NixlPullConnectorWorker):
         self._isa: str | None = None
         self._remotes: dict[str, tuple[str, int]] = {}
         """Engine id -> (page format, block size) of each prefill engine, from its handshake."""
+        self._splits: dict[str, int] = {}
+        """Engine id -> k, for prefill engines whose blocks are k times this engine's."""
+        self._split_reads: dict[str, list[int]] = {}
+        """The local blocks read for each request from such an engine, k per remote block."""
         self._metas: dict[str, Any] = {}
         """The receive metadata of requests whose READs are under way (vLLM pops its own
         copy in the step that reports them finished, before kvd is told)."""
@@ -242,12 +252,50 @@ class KvdWorker(NixlPullConnectorWorker):
             raise KvdConnectorError(
                 f"prefill engine {nixl_agent_meta.engine_id!r}: kvd cannot read its pages: {exc}"
             ) from exc
-        result: str = super().add_remote_agent(nixl_agent_meta, *args, **kwargs)
-        assert self.transfer_topo is not None  # set once the caches are registered
         engine_id = nixl_agent_meta.engine_id
-        block_size = self.transfer_topo.get_engine_info(engine_id).remote_block_size
+        block_size = nixl_agent_meta.block_size
+        try:
+            split = split_remote_pages(nixl_agent_meta, self.block_size)
+        except SplitError as exc:
+            raise KvdConnectorError(f"prefill engine {engine_id!r}: {exc}") from exc
+        if split > 1 and self.kv_transfer_config.kv_load_failure_policy != "recompute":
+            raise KvdConnectorError(
+                f"prefill engine {engine_id!r}: blocks of {block_size} tokens into blocks of "
+                f"{self.block_size} need kv_load_failure_policy='recompute' (a request's last "
+                "local blocks are recomputed when its last remote block does not fill them all)"
+            )
+        result: str = super().add_remote_agent(nixl_agent_meta, *args, **kwargs)
+        if split > 1:
+            self._splits[engine_id] = split
         self._remotes[engine_id] = (fmt, block_size)
         return result
+
+    def _read_blocks(
+        self, read_spec: Any, dst_engine_id: str, request_id: str, **kwargs: Any
+    ) -> bool:
+        """Read a split prefill engine's blocks in whole groups of k local blocks
+        (``kvd.vllm.split``); the local blocks left out are reported invalid, for vLLM to
+        recompute their tokens."""
+        k = self._splits.get(dst_engine_id)
+        if k is not None and any(read_spec.local_block_ids):
+            meta = self._recving_metadata.get(request_id)
+            computed = meta.local_num_computed_blocks if meta is not None else ()
+            plan = plan_split_read(
+                read_spec.local_block_ids[0],
+                read_spec.remote_block_ids[0],
+                k,
+                computed[0] if computed else 0,
+            )
+            if plan.unread:
+                self._invalid_block_ids.put(set(plan.unread))
+            self._split_reads[request_id] = plan.local
+            read_spec = dataclasses.replace(
+                read_spec, local_block_ids=[plan.local], remote_block_ids=[plan.remote]
+            )
+        ok: bool = super()._read_blocks(
+            read_spec=read_spec, dst_engine_id=dst_engine_id, request_id=request_id, **kwargs
+        )
+        return ok
 
     # -- the post-process, handed to kvd --------------------------------------------------------
 
@@ -269,6 +317,7 @@ class KvdWorker(NixlPullConnectorWorker):
         if len(self._metas) > len(recving) + 64:
             # Requests vLLM dropped without reporting them (aborts): forget them too.
             self._metas = {r: m for r, m in self._metas.items() if r in recving}
+            self._split_reads = {r: b for r, b in self._split_reads.items() if r in recving}
 
     def get_transfer_results(self) -> KVConnectorTransferResults:
         results = super().get_transfer_results()
@@ -280,10 +329,13 @@ class KvdWorker(NixlPullConnectorWorker):
         if results.finished_recving:
             for req_id in list(results.finished_recving):
                 meta = self._metas.pop(req_id, None)
+                split_read = self._split_reads.pop(req_id, None)
                 if meta is None or meta.remote is None or req_id in results.failed_recving:
                     continue  # nothing landed for kvd to rewrite
+                if split_read == []:
+                    continue  # no whole group: vLLM recomputes the blocks reported invalid
                 results.finished_recving.discard(req_id)
-                self._hand_off(req_id, meta, link, results)
+                self._hand_off(req_id, meta, split_read, link, results)
                 handed_off += 1
         if link.inbox or self._unsent:
             released, waits = self._take_answers(link)
@@ -302,19 +354,32 @@ class KvdWorker(NixlPullConnectorWorker):
         return results
 
     def _hand_off(
-        self, req_id: str, meta: Any, link: KvdLink, results: KVConnectorTransferResults
+        self,
+        req_id: str,
+        meta: Any,
+        split_read: list[int] | None,
+        link: KvdLink,
+        results: KVConnectorTransferResults,
     ) -> None:
+        """Send kvd the request's ReadDone and hold it. ``split_read``: the local blocks read
+        from a prefill with larger blocks (whole groups, every remote page covered), else
+        None."""
         engine_id = meta.remote.engine_id
         remote_format, remote_block_size = self._remotes[engine_id]
-        local = meta.local_physical_block_ids[0]
-        ratio = max(1, self.block_size // remote_block_size)
-        # vLLM 0.34 records the sub-blocks its READ covered (pairing blocks from the last token);
-        # earlier versions cover them from the first.
-        ranges = getattr(meta, "covered_sub_blocks", None)
-        covered_range = ranges[0] if ranges else None
-        covered = covered_sub_blocks(
-            len(local), ratio, len(meta.remote.block_ids[0]), covered_range
-        )
+        covered: int | None
+        covered_range = None
+        if split_read is None:
+            local = meta.local_physical_block_ids[0]
+            ratio = max(1, self.block_size // remote_block_size)
+            # vLLM 0.34 records the sub-blocks its READ covered (pairing blocks from the last
+            # token); earlier versions cover them from the first.
+            ranges = getattr(meta, "covered_sub_blocks", None)
+            covered_range = ranges[0] if ranges else None
+            covered = covered_sub_blocks(
+                len(local), ratio, len(meta.remote.block_ids[0]), covered_range
+            )
+        else:
+            local, covered = split_read, 0
         state = link.state
         if state is State.GONE or covered is None:
             # No kvd to wait for, or landed blocks a ReadDone cannot describe: vLLM recomputes.

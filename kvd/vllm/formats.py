@@ -45,6 +45,12 @@ _ISA_AVOID = {
     ),
     "neon": f"vLLM picks 'neon' on every ARM CPU: {_WITHOUT_KVD}",
 }
+UNQUANTIZED_KV_DTYPES = ("auto", "bfloat16", "float16", "float32")
+# fp8 with static scales: one k_scale/v_scale per layer from the checkpoint (1.0 without one),
+# the same on both sides (vLLM's NIXL compatibility hash pins model and cache dtype). A page
+# holds only 1-byte elements, laid out as an unquantized page (cpu_attn_reshape_and_cache
+# checked for fp8_e4m3 and fp8_e5m2; "fp8" is fp8_e4m3), so kvd moves bytes and never scales.
+STATIC_SCALE_KV_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 class UnknownFormat(RuntimeError):
@@ -68,12 +74,20 @@ def page_format(
     ``isa`` is the CPU attention ISA (``_get_attn_isa``) for the CPU backend: required there,
     ignored elsewhere (None when unknown: a remote CPU engine's ISA is not in the handshake).
     """
-    if kv_cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
+    if kv_cache_dtype not in UNQUANTIZED_KV_DTYPES + STATIC_SCALE_KV_DTYPES:
         raise UnknownFormat(
-            f"kv_cache_dtype {kv_cache_dtype!r}: kvd.vllm knows unquantized caches only",
-            avoid="kv_cache_dtype='auto' (the model's dtype)",
+            f"kv_cache_dtype {kv_cache_dtype!r}: kvd.vllm knows unquantized caches and fp8 "
+            f"with static per-layer scales ({', '.join(STATIC_SCALE_KV_DTYPES)}), not caches "
+            "whose scales are computed as tokens are written (per token and head, per block)",
+            avoid="kv_cache_dtype='auto' (the model's dtype) or 'fp8' with static scales",
         )
     if use_mla or backend in MLA_BACKENDS:
+        if kv_cache_dtype not in UNQUANTIZED_KV_DTYPES:
+            # No MLA write op that takes fp8 runs here to check the latent bytes against.
+            raise UnknownFormat(
+                f"MLA caches in {kv_cache_dtype!r}: kvd.vllm knows unquantized MLA caches only",
+                avoid="kv_cache_dtype='auto' (the model's dtype)",
+            )
         return _mla_format(backend, kv_cache_layout)
     if backend == "CPU_ATTN":
         if isa is None:

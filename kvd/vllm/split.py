@@ -1,0 +1,95 @@
+"""Prefill blocks larger than decode blocks (nP > nD) in vLLM 0.32's NIXL pull path: pure logic.
+
+vLLM refuses nP > nD at the handshake. For nP < nD it splits each *local* page into r
+descriptors, one per remote page; here each *remote* page is split into k = nP / nD
+descriptors, one per local page, so remote block ``i`` lands across k local blocks, byte range
+``[j * D, (j + 1) * D)`` of its page (D = P / k) in the j-th. vLLM already reads a remote
+engine whose logical blocks are several kernel blocks (``physical_blocks_per_logical_kv_block``):
+presented as k sub-pages of nD tokens per page, the prefill's cache is read with vLLM's own
+descriptor lists and block-id expansion (remote block ``i`` -> sub-blocks ``i*k .. i*k+k-1``).
+kvd then rewrites each group of k local pages, one remote page's bytes in order, into k pages
+of the local format (``remote_block_size`` = nP in the ReadDone).
+
+A group is read whole or not at all: the tokens of one local page are spread over the whole
+remote page in most formats (CPU attention keeps K transposed, LBHNC keeps heads outermost).
+When a request's last remote block holds fewer than k local blocks' tokens, there is no room to
+land the rest of its page, so those local blocks are not read: vLLM is told they failed to load
+(invalid block ids) and recomputes their tokens, fewer than nP, from the prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+class SplitError(RuntimeError):
+    """A prefill engine whose pages cannot be read as sub-pages; the message says why."""
+
+
+def split_remote_pages(meta: Any, local_block_size: int) -> int:
+    """k = nP / nD for a prefill engine's handshake metadata (``NixlAgentMetadata``), after
+    rewriting it in place so that vLLM reads each remote page as k sub-pages of nD tokens:
+    block size, block count, page length and stride per region, blocks per logical block.
+
+    Returns 1 and leaves ``meta`` as it is when nP <= nD. Raises ``SplitError`` when nP is not
+    a multiple of nD, or a region's pages are not back to back (stride != page length): a
+    sub-page would then not be where ``stride / k`` puts it.
+    """
+    remote_block_size = int(meta.block_size)
+    if remote_block_size <= local_block_size:
+        return 1
+    if remote_block_size % local_block_size:
+        raise SplitError(
+            f"block_size: the prefill's {remote_block_size} is not a multiple of this "
+            f"engine's {local_block_size}"
+        )
+    k = remote_block_size // local_block_size
+    for region, (length, stride) in enumerate(
+        zip(meta.block_lens, meta.block_strides, strict=True)
+    ):
+        if length != stride or length % k:
+            raise SplitError(
+                f"region {region}: pages of {length} bytes every {stride} bytes cannot be read "
+                f"as {k} sub-pages (kvd.vllm needs pages back to back, a multiple of {k} bytes)"
+            )
+    meta.block_size = local_block_size
+    meta.num_blocks = meta.num_blocks * k
+    meta.block_lens = [length // k for length in meta.block_lens]
+    meta.block_strides = [stride // k for stride in meta.block_strides]
+    if meta.region_num_blocks is not None:
+        meta.region_num_blocks = [n * k for n in meta.region_num_blocks]
+    meta.physical_blocks_per_logical_kv_block = meta.physical_blocks_per_logical_kv_block * k
+    return k
+
+
+@dataclass(frozen=True, slots=True)
+class SplitRead:
+    """One request's READ from a split remote: ``local[q]`` receives remote sub-page
+    ``remote[q]``; ``unread`` are the request's local blocks left for vLLM to recompute."""
+
+    local: list[int]
+    remote: list[int]
+    unread: list[int]
+
+
+def plan_split_read(
+    local: Sequence[int], remote_sub_blocks: Sequence[int], k: int, local_computed: int
+) -> SplitRead:
+    """What to read of one request, in whole groups of k local blocks.
+
+    ``local``: the local blocks vLLM would read into, those after the ``local_computed`` blocks
+    of its local prefix cache hit, in token order. ``remote_sub_blocks``: the remote
+    sub-blocks of the whole prompt, k per remote block, in token order (the i-th local block
+    of the sequence pairs with the i-th sub-block).
+    """
+    if local_computed % k:  # the first group is partly computed here: no room for its page
+        return SplitRead([], [], list(local))
+    groups = min(len(local), len(remote_sub_blocks) - local_computed) // k
+    n = max(groups, 0) * k
+    return SplitRead(
+        list(local[:n]),
+        list(remote_sub_blocks[local_computed : local_computed + n]),
+        list(local[n:]),
+    )

@@ -1,0 +1,78 @@
+"""kvd.vllm.split: reading prefill blocks larger than decode blocks, without vLLM."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from kvd.vllm.split import SplitError, SplitRead, plan_split_read, split_remote_pages
+
+
+@dataclass
+class AgentMetadata:
+    """The fields of vLLM 0.32's ``NixlAgentMetadata`` that ``split_remote_pages`` rewrites."""
+
+    block_size: int
+    num_blocks: int
+    block_lens: list[int]
+    block_strides: list[int]
+    region_num_blocks: list[int] | None = None
+    physical_blocks_per_logical_kv_block: int = 1
+    kv_caches_base_addr: list[int] = field(default_factory=lambda: [1 << 20, 1 << 24])
+
+
+def test_a_larger_remote_page_reads_as_k_sub_pages_where_they_are() -> None:
+    page = 2 * 64 * 2 * 64  # heads x tokens x 2 * head_dim, 1-byte elements
+    meta = AgentMetadata(64, 10, [page, page], [page, page], [10, 10])
+    assert split_remote_pages(meta, 32) == 2
+    assert (meta.block_size, meta.num_blocks, meta.region_num_blocks) == (32, 20, [20, 20])
+    assert meta.block_lens == [page // 2] * 2 and meta.physical_blocks_per_logical_kv_block == 2
+    # vLLM's descriptor of sub-block i*k + j: base + (i*k + j) * stride, len bytes. It must be
+    # bytes [j * D, (j + 1) * D) of remote page i.
+    for i in range(10):
+        for j in range(2):
+            addr = meta.kv_caches_base_addr[1] + (i * 2 + j) * meta.block_strides[1]
+            assert addr == meta.kv_caches_base_addr[1] + i * page + j * meta.block_lens[1]
+
+
+def test_remote_pages_no_larger_are_left_to_vllm() -> None:
+    meta = AgentMetadata(32, 10, [4096], [4096])
+    assert split_remote_pages(meta, 64) == 1 and split_remote_pages(meta, 32) == 1
+    assert meta == AgentMetadata(32, 10, [4096], [4096])
+
+
+@pytest.mark.parametrize(
+    ("meta", "why"),
+    [
+        (AgentMetadata(96, 10, [4096], [4096]), "not a multiple of this engine's 64"),
+        (AgentMetadata(128, 10, [4096], [8192]), "region 0: pages of 4096 bytes every 8192"),
+    ],
+)
+def test_remote_pages_that_cannot_be_split_are_refused(meta: AgentMetadata, why: str) -> None:
+    with pytest.raises(SplitError, match=why):
+        split_remote_pages(meta, 64)
+
+
+@pytest.mark.parametrize(
+    ("local", "remote_blocks", "k", "computed", "want"),
+    [
+        # 300 tokens, 64 -> 32: 10 local blocks, 5 remote blocks, all whole groups.
+        (list(range(10)), 5, 2, 0, SplitRead(list(range(10)), list(range(10)), [])),
+        # 70 tokens, 64 -> 32: the second remote block holds 6 tokens, one local block's worth.
+        ([7, 3, 9], 2, 2, 0, SplitRead([7, 3], [0, 1], [9])),
+        # 40 tokens, 128 -> 32: one remote block, two local blocks of its four: nothing read.
+        ([5, 6], 1, 4, 0, SplitRead([], [], [5, 6])),
+        # 300 tokens, 128 -> 32: two whole groups, the third remote block's 44 tokens recomputed.
+        (list(range(10)), 3, 4, 0, SplitRead(list(range(8)), list(range(8)), [8, 9])),
+        # A local prefix hit of 2 blocks (one whole group): the rest pairs from sub-block 2 on.
+        ([7, 8, 9], 3, 2, 2, SplitRead([7, 8], [2, 3], [9])),
+        # A prefix hit ending inside a group: that group has no room for its page.
+        ([7, 8, 9], 3, 2, 1, SplitRead([], [], [7, 8, 9])),
+    ],
+)
+def test_a_request_reads_whole_groups_and_leaves_the_rest_to_recompute(
+    local: list[int], remote_blocks: int, k: int, computed: int, want: SplitRead
+) -> None:
+    sub_blocks = [i * k + j for i in range(remote_blocks) for j in range(k)]
+    assert plan_split_read(local, sub_blocks, k, computed) == want
