@@ -219,7 +219,7 @@ class Pipeline:
             ),
         )
         self._count_answer(True, elapsed_ns)
-        self.ledger.untouched.put((cache_id, msg.req_id), (msg.generation, "", ""))
+        self.ledger.untouched.put(cache_id, msg.req_id, msg.generation)
 
     def _count_answer(self, ready: bool, elapsed_ns: int) -> None:
         metrics = self.metrics
@@ -277,7 +277,7 @@ class Pipeline:
         )
         self._publish(cache_id if attached else UNATTACHED_TOPIC, event)
         if attached:
-            self.ledger.untouched.put((cache_id, req_id), (source.generation, code, message))
+            self.ledger.untouched.put(cache_id, req_id, source.generation, code, message)
 
     # -- settings -------------------------------------------------------------------------------
 
@@ -448,7 +448,9 @@ class Pipeline:
         request.error = (code, message)
         self.metrics.rejections.inc(code)
         self._finish(request, None)
-        self.ledger.untouched.put(request.key, (request.generation, code, message))
+        self.ledger.untouched.put(
+            request.cache_id, request.req_id, request.generation, code, message
+        )
 
     def _announce(self, request: Request, cuda_event: bytes = b"") -> None:
         """Publish the one event of an accepted request and count it as answered."""
