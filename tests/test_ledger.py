@@ -43,7 +43,7 @@ def test_states_move_one_way_and_blocks_are_owned_until_published() -> None:
         ledger.advance(r, State.LAUNCHED)
     for state in (State.BATCHED, State.LAUNCHED, State.DONE):
         ledger.advance(r, state)
-    assert r.launched_ns and r.done_ns
+    assert r.state == State.DONE
     with pytest.raises(LedgerError):
         ledger.advance(r, State.BATCHED)
     ledger.publish(r, outcome("a"))

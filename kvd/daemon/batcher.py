@@ -13,7 +13,7 @@ opens. Both settings may change while batches wait: a new fixed window moves the
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import msgspec
 
 from kvd.daemon.ledger import RemoteFormat, Request
 from kvd.daemon.window import AutoWindow
@@ -22,15 +22,16 @@ BatchKey = tuple[str, RemoteFormat, int]
 """(cache_id, remote_format, remote_block_size)."""
 
 
-@dataclass(slots=True, eq=False)
-class Batch:
+class Batch(msgspec.Struct, eq=False, gc=False):
+    """Requests rewritten by one kernel pass (a Struct: one per job, cheaper than a dataclass)."""
+
     key: BatchKey
     opened_ns: int
     deadline_ns: int
     """When the batch is due."""
     limit_ns: int
     """The latest its deadline may move to (an auto window moves it while requests arrive)."""
-    requests: list[Request] = field(default_factory=list)
+    requests: list[Request] = msgspec.field(default_factory=list)
     num_blocks: int = 0
 
     @property

@@ -15,10 +15,8 @@ touched nothing, kept for Status only, by count.
 from __future__ import annotations
 
 import enum
-import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import msgspec
 
@@ -38,9 +36,12 @@ class State(enum.IntEnum):
     PUBLISHED = 4
 
 
-@dataclass(slots=True, eq=False)
-class Request:
-    """An accepted ReadDone, resolved: the remote format and block size, arrival time (ns)."""
+class Request(msgspec.Struct, kw_only=True, eq=False, gc=False):
+    """An accepted ReadDone, resolved: the remote format and block size, arrival time (ns).
+
+    A Struct, not a dataclass: one is made per notification with work, six times faster. Not
+    tracked by the garbage collector: nothing it holds refers back to it.
+    """
 
     req_id: str
     cache_id: str
@@ -52,9 +53,7 @@ class Request:
     received_ns: int
     covered_sub_blocks: int = 0
     state: State = State.ACCEPTED
-    launched_ns: int = 0
-    done_ns: int = 0
-    error: tuple[str, str] | None = field(default=None)
+    error: tuple[str, str] | None = None
     """(code, message) when the post-process failed; set when the request reaches DONE."""
 
     @property
@@ -219,10 +218,6 @@ class Ledger:
                 f"request {request.key!r}: {request.state.name} -> {state.name} is not allowed"
             )
         request.state = state
-        if state == State.LAUNCHED:
-            request.launched_ns = time.monotonic_ns()
-        elif state == State.DONE:
-            request.done_ns = time.monotonic_ns()
 
     def publish(self, request: Request, outcome: Outcome | None) -> None:
         """Mark the request's event as sent: frees its blocks and forgets it, except the
