@@ -13,6 +13,8 @@ opens. Both settings may change while batches wait: a new fixed window moves the
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 import msgspec
 
 from kvd.daemon.ledger import RemoteFormat, Request
@@ -48,6 +50,9 @@ class Batch(msgspec.Struct, eq=False, gc=False):
 
     def block_ids(self) -> list[int]:
         return [b for r in self.requests for b in r.physical_block_ids]
+
+
+_opened = attrgetter("opened_ns")
 
 
 class Batcher:
@@ -146,7 +151,7 @@ class Batcher:
         due = self._full + [b for b in self._open.values() if draining or now_ns >= b.deadline_ns]
         if not due:
             return []
-        due.sort(key=lambda b: b.opened_ns)
+        due.sort(key=_opened)
         job = due[:1]
         blocks = job[0].num_blocks
         for batch in due[1:]:
@@ -154,8 +159,9 @@ class Batcher:
             if blocks > self.max_blocks:
                 break
             job.append(batch)
-        taken = {id(b) for b in job}
-        self._full = [b for b in self._full if id(b) not in taken]
+        if self._full:
+            taken = {id(b) for b in job}
+            self._full = [b for b in self._full if id(b) not in taken]
         for batch in job:
             if self._open.get(batch.key) is batch:
                 del self._open[batch.key]
