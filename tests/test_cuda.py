@@ -358,6 +358,8 @@ def test_warm_up_sets_the_device_of_the_attach_thread(monkeypatch: pytest.Monkey
     monkeypatch.setitem(device._lanes, GPU3, Lane(GPU3, api=api))
 
     class NotingPostProcess:
+        block_bytes = 0
+
         def warm_up(self, remote: object, remote_block_size: int) -> None:
             api.note("warm_up")
 

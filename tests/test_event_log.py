@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import random
 
 import pytest
 
@@ -64,3 +65,34 @@ def test_the_order_across_topics_is_not_walked_by_the_garbage_collector() -> Non
         log.append("ab"[i % 2], b"x")
     gc.collect()  # a tuple of untracked items is untracked when a collection first sees it
     assert not any(gc.is_tracked(entry) for entry in log._order)
+
+
+def test_with_one_topic_the_order_names_exactly_the_events_held() -> None:
+    log = EventLog(capacity=100)
+    for _ in range(10_000):
+        log.append("a", b"x")
+        assert len(log._order) == log.held
+
+
+def test_what_is_held_matches_a_plain_model_under_mixed_topics_and_byte_bounds() -> None:
+    """Every event held is one a plain list of all events would still hold: per topic its
+    newest ``capacity``, and the oldest of all forgotten first past ``max_bytes``."""
+    rng = random.Random(19)
+    capacity, max_bytes = 7, 200
+    log = EventLog(capacity, max_bytes)
+    model: list[tuple[str, int, bytes]] = []
+    seqs: dict[str, int] = {}
+    for _ in range(5_000):
+        topic = rng.choice("abc" if rng.random() < 0.9 else "d")
+        payload = bytes(rng.randint(1, 40))
+        seqs[topic] = seqs.get(topic, 0) + 1
+        assert log.append(topic, payload) == (topic.encode(), seqs[topic])
+        model.append((topic, seqs[topic], payload))
+        if sum(1 for t, _, _ in model if t == topic) > capacity:
+            model.remove(next(e for e in model if e[0] == topic))
+        while sum(len(p) for _, _, p in model) > max_bytes:
+            model.pop(0)
+        for name in "abcd":
+            assert log.since(name, 1)[0] == [(s, p) for t, s, p in model if t == name]
+        assert log.held == len(model) and log.nbytes == sum(len(p) for _, _, p in model)
+        assert len(log._order) <= log.held + capacity

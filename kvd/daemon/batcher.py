@@ -13,7 +13,9 @@ opens. Both settings may change while batches wait: a new fixed window moves the
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from operator import attrgetter
+
+import msgspec
 
 from kvd.daemon.ledger import RemoteFormat, Request
 from kvd.daemon.window import AutoWindow
@@ -22,15 +24,16 @@ BatchKey = tuple[str, RemoteFormat, int]
 """(cache_id, remote_format, remote_block_size)."""
 
 
-@dataclass(slots=True, eq=False)
-class Batch:
+class Batch(msgspec.Struct, eq=False, gc=False):
+    """Requests rewritten by one kernel pass (a Struct: one per job, cheaper than a dataclass)."""
+
     key: BatchKey
     opened_ns: int
     deadline_ns: int
     """When the batch is due."""
     limit_ns: int
     """The latest its deadline may move to (an auto window moves it while requests arrive)."""
-    requests: list[Request] = field(default_factory=list)
+    requests: list[Request] = msgspec.field(default_factory=list)
     num_blocks: int = 0
 
     @property
@@ -47,6 +50,9 @@ class Batch:
 
     def block_ids(self) -> list[int]:
         return [b for r in self.requests for b in r.physical_block_ids]
+
+
+_opened = attrgetter("opened_ns")
 
 
 class Batcher:
@@ -145,7 +151,7 @@ class Batcher:
         due = self._full + [b for b in self._open.values() if draining or now_ns >= b.deadline_ns]
         if not due:
             return []
-        due.sort(key=lambda b: b.opened_ns)
+        due.sort(key=_opened)
         job = due[:1]
         blocks = job[0].num_blocks
         for batch in due[1:]:
@@ -153,8 +159,9 @@ class Batcher:
             if blocks > self.max_blocks:
                 break
             job.append(batch)
-        taken = {id(b) for b in job}
-        self._full = [b for b in self._full if id(b) not in taken]
+        if self._full:
+            taken = {id(b) for b in job}
+            self._full = [b for b in self._full if id(b) not in taken]
         for batch in job:
             if self._open.get(batch.key) is batch:
                 del self._open[batch.key]

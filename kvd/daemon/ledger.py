@@ -15,10 +15,10 @@ touched nothing, kept for Status only, by count.
 from __future__ import annotations
 
 import enum
-import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+
+import msgspec
 
 from kvd.daemon.journal import Key, Launch, Outcome
 from kvd.protocol import Layout, PageFormat
@@ -36,9 +36,12 @@ class State(enum.IntEnum):
     PUBLISHED = 4
 
 
-@dataclass(slots=True, eq=False)
-class Request:
-    """An accepted ReadDone, resolved: the remote format and block size, arrival time (ns)."""
+class Request(msgspec.Struct, kw_only=True, eq=False, gc=False):
+    """An accepted ReadDone, resolved: the remote format and block size, arrival time (ns).
+
+    A Struct, not a dataclass: one is made per notification with work, six times faster. Not
+    tracked by the garbage collector: nothing it holds refers back to it.
+    """
 
     req_id: str
     cache_id: str
@@ -50,9 +53,7 @@ class Request:
     received_ns: int
     covered_sub_blocks: int = 0
     state: State = State.ACCEPTED
-    launched_ns: int = 0
-    done_ns: int = 0
-    error: tuple[str, str] | None = field(default=None)
+    error: tuple[str, str] | None = None
     """(code, message) when the post-process failed; set when the request reaches DONE."""
 
     @property
@@ -116,35 +117,55 @@ class BoundedMemory:
         return list(self._entries.values())
 
 
+class _Answer(msgspec.Struct, gc=False):
+    """What kvd answered: code empty for Ready. Not tracked by the garbage collector: one is
+    kept per notification, and tracked ones would make it run and walk them."""
+
+    generation: int
+    code: str
+    message: str
+
+
 class RecentAnswers:
-    """Answers that touched nothing, by key, for Status only: between ``count`` and twice that
-    many of the latest are kept. Storing one is one dict write: when the newer of two dicts
-    fills up, the older is dropped whole, so no entry is ever evicted one at a time."""
+    """Answers that touched nothing, for Status only: between ``count`` and twice that many of
+    the latest are kept. Storing one is two dict lookups and a write, and allocates nothing the
+    garbage collector tracks: when the newer of two generations of answers fills up, the older
+    is dropped whole, so no entry is ever evicted one at a time."""
 
     def __init__(self, count: int) -> None:
         if count < 1:
             raise ValueError(f"count must be >= 1, got {count}")
         self.count = count
-        self._newer: dict[Key, tuple[int, str, str]] = {}
-        self._older: dict[Key, tuple[int, str, str]] = {}
+        self._newer: dict[str, dict[str, _Answer]] = {}
+        """By cache_id, then req_id: no (cache_id, req_id) tuple per answer."""
+        self._older: dict[str, dict[str, _Answer]] = {}
+        self._newer_count = 0
+        self._older_count = 0
 
     def __len__(self) -> int:
-        return len(self._newer) + len(self._older)
+        return self._newer_count + self._older_count
 
-    def put(self, key: Key, answer: tuple[int, str, str]) -> None:
-        """Remember ``answer``: (generation, code, message), code empty for Ready."""
-        newer = self._newer
-        newer[key] = answer
-        if len(newer) >= self.count:
-            self._older, self._newer = newer, {}
+    def put(
+        self, cache_id: str, req_id: str, generation: int, code: str = "", message: str = ""
+    ) -> None:
+        """Remember an answer: code empty for Ready."""
+        answers = self._newer.get(cache_id)
+        if answers is None:
+            answers = self._newer[cache_id] = {}
+        size = len(answers)
+        answers[req_id] = _Answer(generation, code, message)
+        self._newer_count += len(answers) - size
+        if self._newer_count >= self.count:
+            self._older, self._newer = self._newer, {}
+            self._older_count, self._newer_count = self._newer_count, 0
 
     def by_req_id(self, req_id: str) -> list[Outcome]:
         """Every remembered answer of ``req_id``, newest first (for Status; not a hot path)."""
         return [
-            Outcome(cache_id, r, generation, code, message, [])
-            for answers in (self._newer, self._older)
-            for (cache_id, r), (generation, code, message) in answers.items()
-            if r == req_id
+            Outcome(cache_id, req_id, answer.generation, answer.code, answer.message, [])
+            for generation in (self._newer, self._older)
+            for cache_id, answers in generation.items()
+            if (answer := answers.get(req_id)) is not None
         ]
 
 
@@ -197,10 +218,6 @@ class Ledger:
                 f"request {request.key!r}: {request.state.name} -> {state.name} is not allowed"
             )
         request.state = state
-        if state == State.LAUNCHED:
-            request.launched_ns = time.monotonic_ns()
-        elif state == State.DONE:
-            request.done_ns = time.monotonic_ns()
 
     def publish(self, request: Request, outcome: Outcome | None) -> None:
         """Mark the request's event as sent: frees its blocks and forgets it, except the

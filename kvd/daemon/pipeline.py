@@ -220,7 +220,7 @@ class Pipeline:
         )
         self._count_answer(True, elapsed_ns)
         self.metrics.ready_untouched.value += 1
-        self.ledger.untouched.put((cache_id, msg.req_id), (msg.generation, "", ""))
+        self.ledger.untouched.put(cache_id, msg.req_id, msg.generation)
 
     def _count_answer(self, ready: bool, elapsed_ns: int) -> None:
         metrics = self.metrics
@@ -278,7 +278,7 @@ class Pipeline:
         )
         self._publish(cache_id if attached else UNATTACHED_TOPIC, event)
         if attached:
-            self.ledger.untouched.put((cache_id, req_id), (source.generation, code, message))
+            self.ledger.untouched.put(cache_id, req_id, source.generation, code, message)
 
     # -- settings -------------------------------------------------------------------------------
 
@@ -347,16 +347,18 @@ class Pipeline:
                     self._finish_untouched(request, Reason.JOURNAL_UNAVAILABLE, message)
             return
         items = []
+        metrics = self.metrics
         for batch, cache in launching:
             for request in batch.requests:
                 self.ledger.advance(request, State.LAUNCHED)
-                self.metrics.queue_wait.observe((now - request.received_ns) / 1e9)
+                metrics.queue_wait.observe((now - request.received_ns) / 1e9)
             rewrites = cache.rewrites(batch.remote_format, batch.remote_block_size)
             requests = [(r.physical_block_ids, r.covered_sub_blocks) for r in batch.requests]
             items.append(WorkItem(batch, rewrites, requests, batch.num_blocks * cache.work_bytes))
-            self.metrics.batch_blocks.observe(batch.num_blocks)
-            self.metrics.batches.value += 1
+            metrics.batch_blocks.observe(batch.num_blocks)
+            metrics.batches.value += 1
         self._launch_cpu_ns.append(time.thread_time_ns() - cpu_ns)
+        # Last: the worker needs the GIL this thread holds until the loop next sleeps.
         self.executor.submit(Job(items))
 
     def _journal_failed(self, exc: JournalError) -> None:
@@ -384,13 +386,9 @@ class Pipeline:
         launch_cpu_ns = self._launch_cpu_ns.popleft()
         if self.closing:
             return  # the sockets are going: the next start reports these as interrupted
-        self.metrics.transform.observe((job.finished_ns - job.started_ns) / 1e9)
         finished: list[tuple[Request, Outcome, bool]] = []
         for item in job.items:
-            if item.error is None:
-                self.metrics.blocks.value += item.num_blocks
-                self.metrics.bytes.value += item.nbytes
-            elif item.lost is not None:
+            if item.lost is not None:
                 cache = self.registry.get(item.batch.cache_id)
                 if cache is not None:
                     cache.lost = item.lost
@@ -407,8 +405,18 @@ class Pipeline:
         except JournalError as exc:
             # The work is done and stays announced; the journal writes the outcomes later.
             self._journal_failed(exc)
-        for request, outcome, announced in finished:
-            self._finish(request, outcome, announce=not announced)
+        for request, _, announced in finished:
+            if not announced:
+                self._announce(request)
+        # The events are out: what follows is bookkeeping no engine waits for.
+        for request, outcome, _ in finished:
+            self._retire(request, outcome)
+        metrics = self.metrics
+        metrics.transform.observe((job.finished_ns - job.started_ns) / 1e9)
+        for item in job.items:
+            if item.error is None:
+                metrics.blocks.value += item.num_blocks
+                metrics.bytes.value += item.nbytes
         try:
             self.journal.rotate_if_full(r.launch_record() for r in self.ledger.launched())
         except JournalError as exc:
@@ -433,11 +441,14 @@ class Pipeline:
             request.remote_engine_id,
         )
 
-    def _finish(self, request: Request, outcome: Outcome | None, *, announce: bool = True) -> None:
-        """Publish the one event of a request (unless ``job_launched`` did) and retire it from
-        the ledger; ``outcome`` is remembered when the request's blocks were touched."""
-        if announce:
-            self._announce(request)
+    def _finish(self, request: Request, outcome: Outcome | None) -> None:
+        """Publish the one event of a request and retire it (``_retire``)."""
+        self._announce(request)
+        self._retire(request, outcome)
+
+    def _retire(self, request: Request, outcome: Outcome | None) -> None:
+        """Take a request whose event went out off the ledger; ``outcome`` is remembered when
+        the request's blocks were touched."""
         self.ledger.publish(request, outcome)
         if self._drained is not None and not self.ledger and not self._drained.done():
             self._drained.set_result(None)
@@ -449,7 +460,9 @@ class Pipeline:
         request.error = (code, message)
         self.metrics.rejections.inc(code)
         self._finish(request, None)
-        self.ledger.untouched.put(request.key, (request.generation, code, message))
+        self.ledger.untouched.put(
+            request.cache_id, request.req_id, request.generation, code, message
+        )
 
     def _announce(self, request: Request, cuda_event: bytes = b"") -> None:
         """Publish the one event of an accepted request and count it as answered."""

@@ -58,10 +58,14 @@ REPLAY_RETRY_MS = 2
 
 @dataclass(slots=True)
 class _Topic:
+    name: str
     frame: bytes
     next_seq: int
     payloads: deque[bytes]
     """The newest events of the topic, oldest first: seqs ``next_seq - len(payloads)`` on."""
+    dropped: int = 0
+    """How many of the topic's first entries in ``EventLog._order`` name events its capacity
+    already dropped."""
 
 
 class EventLog:
@@ -69,9 +73,9 @@ class EventLog:
 
     Holds at most ``capacity`` events per topic and ``max_bytes`` of payloads in all (the
     oldest events of all go first). Nothing else grows: the order of events across topics,
-    kept for that eviction, is compacted whenever it names ``capacity`` events more than are
-    held. Appends come from the event loop, reads from the replay thread: a lock guards both,
-    held only to copy references.
+    kept for that eviction, names at most ``capacity`` events more than are held (with one
+    topic, none). Appends come from the event loop, reads from the replay thread: a lock
+    guards both, held only to copy references.
     """
 
     def __init__(self, capacity: int, max_bytes: int = 256 << 20) -> None:
@@ -83,11 +87,11 @@ class EventLog:
         self.held = 0
         """Events held, all topics together."""
         self._topics: dict[str, _Topic] = {}
-        self._order: deque[tuple[str, int]] = deque()
-        """(topic, seq) of events in the order they were appended, oldest first; some may
-        already be gone (dropped by their topic's capacity) until the next compaction. By
-        name: a tuple of a str and an int is not tracked by the garbage collector, and a
-        full collection would otherwise walk every one of them."""
+        self._order: deque[str] = deque()
+        """The topic of each event in the order they were appended, oldest first: a topic's
+        entries are its events in seq order, of which the first ``_Topic.dropped`` are gone.
+        Each entry is the topic's one name object: an event adds no object of its own, so
+        nothing here makes the garbage collector run or walk more."""
         self._lock = threading.Lock()
 
     def append(self, topic: str, payload: bytes) -> tuple[bytes, int]:
@@ -95,36 +99,54 @@ class EventLog:
         with self._lock:
             entry = self._topics.get(topic)
             if entry is None:
-                entry = _Topic(topic.encode(), 1, deque())
+                entry = _Topic(topic, topic.encode(), 1, deque())
                 self._topics[topic] = entry
             seq = entry.next_seq
             entry.next_seq = seq + 1
             payloads = entry.payloads
             payloads.append(payload)
-            self._order.append((topic, seq))
+            order = self._order
+            order.append(entry.name)
             self.nbytes += len(payload)
             if len(payloads) > self.capacity:
                 self.nbytes -= len(payloads.popleft())
+                # The event dropped was the topic's oldest: when the order starts with it (one
+                # topic, or this one's turn), it leaves the order too.
+                if not entry.dropped and order[0] is entry.name:
+                    order.popleft()
+                else:
+                    entry.dropped += 1
             else:
                 self.held += 1
-            while self.nbytes > self.max_bytes and self._order:
+            while self.nbytes > self.max_bytes and order:
                 self._evict_oldest()
-            if len(self._order) > self.held + self.capacity:
-                self._order = deque(e for e in self._order if self._held(*e))
+            if len(order) > self.held + self.capacity:
+                self._compact()
             return entry.frame, seq
 
     def _evict_oldest(self) -> None:
-        topic, seq = self._order.popleft()
         # Per-topic order is global order, so the oldest event overall is its topic's oldest,
         # unless the per-topic capacity already dropped it.
-        if self._held(topic, seq):
-            self.nbytes -= len(self._topics[topic].payloads.popleft())
+        entry = self._topics[self._order.popleft()]
+        if entry.dropped:
+            entry.dropped -= 1
+        else:
+            self.nbytes -= len(entry.payloads.popleft())
             self.held -= 1
 
-    def _held(self, topic: str, seq: int) -> bool:
-        """Whether event ``seq`` of ``topic`` is still held (a topic holds its newest seqs)."""
-        entry = self._topics[topic]
-        return seq >= entry.next_seq - len(entry.payloads)
+    def _compact(self) -> None:
+        """Drop the order's entries of events already gone (a topic's first ``dropped``)."""
+        gone = {name: t.dropped for name, t in self._topics.items() if t.dropped}
+        kept: deque[str] = deque()
+        for name in self._order:
+            left = gone.get(name)
+            if left:
+                gone[name] = left - 1
+            else:
+                kept.append(name)
+        for entry in self._topics.values():
+            entry.dropped = 0
+        self._order = kept
 
     def since(self, topic: str, from_seq: int) -> tuple[list[tuple[int, bytes]], int, int]:
         """Buffered events of ``topic`` with seq >= from_seq, and the (oldest, newest) held."""

@@ -87,6 +87,11 @@ class AttachedCache:
     routes: dict[RouteKey, Route | Rejection] = field(default_factory=dict)
     """Each remote side seen, decided once (``validate.route``); at most ``ROUTES_PER_CACHE``."""
     _rewrites: dict[tuple[RemoteFormat, int], list[Rewrite]] = field(default_factory=dict)
+    work_bytes: int = field(init=False)
+    """Bytes one block id stands for across every region of the cache (read at each launch)."""
+
+    def __post_init__(self) -> None:
+        self.work_bytes = sum(p.block_bytes for p in self.postprocesses.values())
 
     def rewrites(self, remote: RemoteFormat, remote_block_size: int) -> list[Rewrite]:
         """The kernel passes of a batch from ``remote`` at ``remote_block_size`` tokens.
@@ -121,11 +126,6 @@ class AttachedCache:
     @property
     def nbytes(self) -> int:
         return sum(t.geometry.nbytes for t in self.tensors)
-
-    @property
-    def work_bytes(self) -> int:
-        """Bytes one block id stands for across every region of the cache."""
-        return sum(p.block_bytes for p in self.postprocesses.values())
 
 
 def remember(memo: dict[K, V], key: K, value: V) -> V:

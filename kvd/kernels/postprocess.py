@@ -182,6 +182,8 @@ class CachePostProcess:
             by_plan.setdefault((region.format, region.kv, region.sizes), []).append(region)
         self._bundles = [_Bundle(*key, tuple(group)) for key, group in by_plan.items()]
         self._regions = list(regions)
+        self.block_bytes = sum(r.page_bytes for r in regions)
+        """Bytes one block id stands for across every region: what ``apply`` may rewrite."""
         self.num_blocks = first.num_blocks
         self.block_size = first.sizes.block_size
         self.backend = self._pick_backend(backend)
@@ -210,11 +212,6 @@ class CachePostProcess:
         if backend == "kernel":
             raise RuntimeError(f"no post-process kernel for {self.device} in this build")
         return "torch"
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes one block id stands for across every region: what ``apply`` may rewrite."""
-        return sum(r.page_bytes for r in self._regions)
 
     def needs_work(
         self, remote: FormatRef, remote_block_size: int, covered: int = 0, num_ids: int = 0
