@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from kvd.bench.stalls import StallWatch
 from kvd.bench.vllm_engine import MAX_MODEL_LEN, STARTUP_S, make_model, prompts
 from kvd.bench.vllm_report import mode_report, mode_table
 from kvd.daemon_process import DaemonProcess
@@ -217,6 +218,7 @@ def run_decode(
         engine.wait()
         result: dict[str, Any] = json.loads(out.read_text())
         result["log"] = engine.tail(200)
+        result["log_path"] = str(engine.log)
         result["handshake_retries"] = attempt
         if HANDSHAKE_FAILED not in engine.log.read_text(errors="replace"):
             break
@@ -393,6 +395,7 @@ def run(args: argparse.Namespace) -> int:
     with (
         tempfile.TemporaryDirectory(prefix="kvd-bench-vllm-") as tmp,
         progress_bar(5, "kvd bench vllm", unit="step", quiet=quiet) as bar,
+        StallWatch() as stalls,
     ):
         work = Path(tmp)
         model = make_model(work / "model")
@@ -424,6 +427,7 @@ def run(args: argparse.Namespace) -> int:
                     ("kvd", "TimedKvdConnector"),
                 ):
                     before = os.getloadavg()[0]
+                    stalls.take()
                     runs[name] = run_decode(
                         work,
                         model,
@@ -440,6 +444,7 @@ def run(args: argparse.Namespace) -> int:
                         max_num_seqs=max(8, args.running + args.arrivals),
                     )
                     runs[name]["load_average"] = [before, os.getloadavg()[0]]
+                    runs[name]["worst_stall_s"] = stalls.take()
                     bar.update()
             finally:
                 prefill.kill()

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kvd.bench.stalls import verdict as stall_verdict
 from kvd.tables import format_table
 
 CONNECTORS = ("stock", "kvd")
@@ -165,6 +166,7 @@ def mode_report(
             **of_mode,
             "connector": connector_figures(run[mode + "_connector"]),
             "load_average": run.get("load_average"),
+            "worst_stall_s": run.get("worst_stall_s"),
         }
     return {
         "figures": figures,
@@ -249,6 +251,15 @@ def mode_table(mode: str, report: dict[str, Any]) -> list[str]:
             f"{s['load_average'][0]:.1f} / {s['load_average'][1]:.1f}, kvd "
             f"{k['load_average'][0]:.1f} / {k['load_average'][1]:.1f} ({os.cpu_count()} cores)"
         )
+    if s.get("worst_stall_s") and k.get("worst_stall_s"):
+        lines.append(
+            "longest a ready thread waited for its core, per core (kvd.bench.stalls): stock "
+            f"{_cores(s['worst_stall_s'])}, kvd {_cores(k['worst_stall_s'])}"
+        )
+        for name, figures in (("stock", s), ("kvd", k)):
+            warning = stall_verdict(figures["worst_stall_s"])
+            if warning:
+                lines.append(f"WARNING ({name}'s decode instance): {warning}")
     equal = report["tokens_equal_to_baseline"]
     lines.append(
         f"requests decoding the single instance's tokens: kvd {equal['kvd']} of "
@@ -262,6 +273,10 @@ def mode_table(mode: str, report: dict[str, Any]) -> list[str]:
             f"{verdict} {target['name']}: kvd {target['kvd']:.3f}, stock {target['stock']:.3f}"
         )
     return lines
+
+
+def _cores(worst_s: dict[str, float]) -> str:
+    return " / ".join(f"{late:.3f} s" for _, late in sorted(worst_s.items()))
 
 
 def _pair(stock: dict[str, Any], kvd: dict[str, Any], key: str, q: str) -> tuple[float, float]:
