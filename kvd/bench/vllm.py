@@ -218,7 +218,6 @@ def run_decode(
         engine.wait()
         result: dict[str, Any] = json.loads(out.read_text())
         result["log"] = engine.tail(200)
-        result["log_path"] = str(engine.log)
         result["handshake_retries"] = attempt
         if HANDSHAKE_FAILED not in engine.log.read_text(errors="replace"):
             break

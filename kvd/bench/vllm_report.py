@@ -276,7 +276,8 @@ def mode_table(mode: str, report: dict[str, Any]) -> list[str]:
 
 
 def _cores(worst_s: dict[str, float]) -> str:
-    return " / ".join(f"{late:.3f} s" for _, late in sorted(worst_s.items()))
+    by_core = sorted(worst_s.items(), key=lambda item: int(item[0]))  # "10" after "9"
+    return " / ".join(f"{late:.3f} s" for _, late in by_core)
 
 
 def _pair(stock: dict[str, Any], kvd: dict[str, Any], key: str, q: str) -> tuple[float, float]:
