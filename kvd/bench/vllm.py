@@ -105,6 +105,10 @@ class Engine:
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
             # A forward that compiles a kernel on a busy machine may take minutes.
             "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(STARTUP_S),
+            # vLLM torch.compiles its logprob ranking at the first batch that asks for logprobs:
+            # minutes of a decode's step on a busy 2-core machine, while the prefill's lease
+            # runs. Eager, it is the same arithmetic (the model itself runs eager here anyway).
+            "TORCHDYNAMO_DISABLE": "1",
         }
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
@@ -186,10 +190,13 @@ class Prefill(Engine):
             ctx.term()
 
 
-HANDSHAKE_FAILED = "handshake_failed"
-"""What vLLM's NIXL worker logs when its handshake with the prefill's side channel fails: vLLM
-waits 5 s for the answer (hard-coded), which a prefill whose engine spins on a busy 2-core
-machine can miss. kvd is not on that path; the requests fall back to recompute."""
+HANDSHAKE_TIMED_OUT = "zmq.error.Again"
+"""What vLLM's NIXL worker logs when its handshake with the prefill's side channel got no answer:
+vLLM waits 5 s for it (hard-coded), which a prefill on a frozen 2-core machine can miss. kvd is
+not on that path; the requests fall back to recompute. (A handshake vLLM refuses, such as
+stock's 64 -> 32, is logged as ``handshake_failed`` too, and is not retried.)"""
+
+HANDSHAKE_TRIES = 3
 
 
 def run_decode(
@@ -198,9 +205,10 @@ def run_decode(
     """One decode instance from ``prefill``; ``config`` adds to its engine config (connector,
     module, extra, mode, max_tokens, prompt_lengths, dtype, kv_cache_dtype, attention_backend,
     also_prefill: more prefill endpoints the batch mode reads the same requests from). A run whose
-    vLLM handshake with the prefill failed is run once more, with new requests
-    (``result["handshake_retries"]``)."""
-    for attempt in range(2):
+    vLLM handshake with the prefill timed out is run again, with new requests, up to
+    ``HANDSHAKE_TRIES`` in all (``result["handshake_retries"]``). ``result["log"]`` is the end of
+    the decode's log, ``result["log_file"]`` the whole of it."""
+    for attempt in range(HANDSHAKE_TRIES):
         out = work / f"decode-{next(_ids)}.json"
         full = {
             "role": "kv_consumer",
@@ -218,12 +226,14 @@ def run_decode(
         engine.wait()
         result: dict[str, Any] = json.loads(out.read_text())
         result["log"] = engine.tail(200)
+        result["log_file"] = str(engine.log)
         result["handshake_retries"] = attempt
-        if HANDSHAKE_FAILED not in engine.log.read_text(errors="replace"):
+        if HANDSHAKE_TIMED_OUT not in engine.log.read_text(errors="replace"):
             break
+        last = attempt == HANDSHAKE_TRIES - 1
         print(
-            f"{engine.name}: vLLM's NIXL handshake with the prefill failed ({engine.log}); "
-            + ("running the decode again" if attempt == 0 else "again: keeping the result"),
+            f"{engine.name}: vLLM's NIXL handshake with the prefill timed out ({engine.log}); "
+            + ("keeping the result" if last else "running the decode again"),
             file=sys.stderr,
         )
     return result

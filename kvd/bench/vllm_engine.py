@@ -175,14 +175,29 @@ def control_prompt(source: list[int]) -> list[int]:
 
 LEASE_S = 120
 """How long a prefill keeps blocks no decode pulled (the decode renews the lease while it waits
-for them). Long enough for a decode stalled by a kernel compile; short, because a prefill
-engine spins on a core while it holds blocks, and a decode that failed over to recompute never
-pulls them."""
+for them). Long enough for a decode on a machine busy with other engines; held blocks cost the
+prefill instance only its idle step (``serve_prefill``)."""
+
+
+def _without_nixl_progress_thread() -> None:
+    """vLLM's NIXL agents without NIXL's progress thread, which polls with no pause (NIXL's
+    Python API starts it with no delay) and so keeps a core busy in every instance, holding
+    blocks or not: two such threads are this 2-core machine. The engine progresses its agent
+    in every step instead (``get_finished``), stock and kvd alike, as kvd's own agents do."""
+    import functools
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+
+    base_worker.nixl_agent_config = functools.partial(
+        base_worker.nixl_agent_config, enable_prog_thread=False
+    )
 
 
 def make_llm(config: dict[str, Any]) -> Any:
     from vllm import LLM
     from vllm.config import KVTransferConfig
+
+    _without_nixl_progress_thread()
 
     transfer = KVTransferConfig(
         kv_connector=config["connector"],
@@ -218,8 +233,8 @@ def make_llm(config: dict[str, Any]) -> Any:
 def sampling(
     max_tokens: int, transfer: dict[str, Any] | None = None, logprobs: int | None = 1
 ) -> Any:
-    """Greedy; ``logprobs=None`` spares vLLM's logprob ranking, which torch.compiles a kernel
-    at the first batch of each new shape (minutes on a busy machine, inside a step)."""
+    """Greedy; ``logprobs=None`` spares vLLM's logprob ranking where nothing reads it (a timed
+    step should time the decode, not the ranking)."""
     from vllm import SamplingParams
 
     extra = {"kv_transfer_params": transfer} if transfer is not None else None
@@ -254,16 +269,28 @@ REMOTE_DECODE = {
 }
 
 
+PREFILL_IDLE_STEP_MS = 10
+"""How often an idle prefill instance steps its engine (ms)."""
+
+
 def serve_prefill(config: dict[str, Any]) -> None:
     import msgspec
     import zmq
     from vllm import TokensPrompt
 
+    # The engine core in this process, stepped here between requests (``PREFILL_IDLE_STEP_MS``)
+    # rather than by vLLM's engine loop, which steps with no pause while the instance holds
+    # blocks: a core for each prefill instance, for as long as a decode takes to pull them.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     llm = make_llm(config)
     sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.REP)
     sock.bind(config["endpoint"])
     print("READY", flush=True)
     while True:
+        while not sock.poll(PREFILL_IDLE_STEP_MS):
+            # Progresses NIXL (a decode's READ of held blocks needs it) and frees the blocks
+            # whose READ notification came or whose lease ran out.
+            llm.llm_engine.step()
         request = msgspec.msgpack.decode(sock.recv())
         if request["op"] == "quit":
             sock.send(msgspec.msgpack.encode({"ok": True}))
@@ -271,7 +298,7 @@ def serve_prefill(config: dict[str, Any]) -> None:
         tokens = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
         if request["op"] == "baseline":
             params = sampling(request["max_tokens"])
-        else:  # no logprobs: nothing reads them, and their ranking compiles at a new batch
+        else:  # no logprobs: nothing reads them
             params = sampling(1, REMOTE_DECODE, None)
         outputs = llm.generate(tokens, params, use_tqdm=False)
         sock.send(msgspec.msgpack.encode([summary(o) for o in outputs]))

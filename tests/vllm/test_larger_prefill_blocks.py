@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -88,6 +89,7 @@ def test_stock_vllm_refuses_larger_prefill_blocks(larger: Setup) -> None:
     every request is recomputed, so the control request decodes its own tokens. If this
     fails, a newer vLLM reads nP > nD itself: README.md's table of real vLLM runs must change."""
     result = larger.decode("64", 32, connector="NixlConnector", module=None)
-    assert REFUSAL in result["log"], "stock vLLM no longer refuses prefill blocks of 64 into 32"
+    log = Path(result["log_file"]).read_text(errors="replace")
+    assert REFUSAL in log, "stock vLLM no longer refuses prefill blocks of 64 into 32"
     assert larger.mismatches(result, control=False) == [], result["log"]
     assert len(larger.mismatches(result)) == 1, "the control request used the transferred KV"
