@@ -341,6 +341,9 @@ def decode(config: dict[str, Any]) -> None:
 
             (result[mode + "_connector"],) = llm.collective_rpc(take_timings)
     Path(config["out"]).write_text(json.dumps(result))
+    # As vLLM does at exit (main() ends with os._exit): the connector's shutdown writes its
+    # last stats (kvd_stats_path), which its own thread otherwise rewrites only now and then.
+    llm.llm_engine.engine_core.shutdown()
 
 
 def _batch(llm: Any, server: _PrefillServer, config: dict[str, Any]) -> list[dict[str, Any]]:
