@@ -192,7 +192,7 @@ class Prefill(Engine):
 
 HANDSHAKE_TIMED_OUT = "zmq.error.Again"
 """What vLLM's NIXL worker logs when its handshake with the prefill's side channel got no answer:
-vLLM waits 5 s for it (hard-coded), which a prefill on a frozen 2-core machine can miss. kvd is
+vLLM waits 5 s for it (hard-coded), which a prefill on a busy 2-core machine can miss. kvd is
 not on that path; the requests fall back to recompute. (A handshake vLLM refuses, such as
 stock's 64 -> 32, is logged as ``handshake_failed`` too, and is not retried.)"""
 

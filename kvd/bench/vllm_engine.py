@@ -194,9 +194,15 @@ def _without_nixl_progress_thread() -> None:
 
 
 def make_llm(config: dict[str, Any]) -> Any:
+    """An ``LLM`` whose engine core runs in this process. A decode instance times each
+    ``LLMEngine.step()`` (schedule, forward, the connector's get_finished) from here, its
+    connector's figures one collective_rpc away; a prefill instance steps its engine between
+    requests (``PREFILL_IDLE_STEP_MS``), where vLLM's engine loop would step it with no pause
+    while it holds blocks: a core per prefill instance, until a decode pulls them."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     _without_nixl_progress_thread()
 
     transfer = KVTransferConfig(
@@ -278,10 +284,6 @@ def serve_prefill(config: dict[str, Any]) -> None:
     import zmq
     from vllm import TokensPrompt
 
-    # The engine core in this process, stepped here between requests (``PREFILL_IDLE_STEP_MS``)
-    # rather than by vLLM's engine loop, which steps with no pause while the instance holds
-    # blocks: a core for each prefill instance, for as long as a decode takes to pull them.
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     llm = make_llm(config)
     sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.REP)
     sock.bind(config["endpoint"])
@@ -320,10 +322,6 @@ class _PrefillServer:
 
 def decode(config: dict[str, Any]) -> None:
     """The runs ``config["modes"]`` names, in order, in one decode instance."""
-    # The engine core in this process: one LLMEngine.step() is one engine step (schedule,
-    # forward, the connector's get_finished), timed from here, and the connector's figures are
-    # one collective_rpc away.
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     llm = make_llm(config)
     server = _PrefillServer(config["prefill"])
     result: dict[str, Any] = {"startup_s": time.monotonic() - config["launched"]}
