@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -131,6 +132,22 @@ def test_the_kv_allocation_lands_in_dev_shm_and_nothing_else_does() -> None:
     finally:
         allocation.close()
     assert not Path(allocation.path).exists()
+
+
+def test_the_kv_allocation_is_faulted_in_ahead_like_torch_zeros() -> None:
+    # The forward that first writes or reads a page of the cache must not pay its page fault:
+    # vLLM's own torch.zeros would have touched every page. 16 MiB, 4,096 pages.
+    allocation = ShmAllocation("kvd-test-faults")
+    try:
+        with allocation:
+            kv = torch.zeros(16 << 20, dtype=torch.int8)
+        page = os.sysconf("SC_PAGE_SIZE")
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        kv[::page] = 1  # one byte in every page, no temporary tensor
+        faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+        assert faults < 64, f"{faults} page faults writing the {kv.numel() // page} pages"
+    finally:
+        allocation.close()
 
 
 def test_files_of_dead_workers_are_reaped(tmp_path: Path) -> None:

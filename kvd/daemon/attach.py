@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvd.daemon.memory import AttachError, Opener, populate
+from kvd.daemon.memory import AttachError, Opener
 from kvd.daemon.registry import AttachedCache, AttachedTensor, Owner
 from kvd.dtypes import torch_dtype
 from kvd.kernels.device import lane_for
@@ -18,6 +18,7 @@ from kvd.kernels.postprocess import CachePostProcess, region_views
 from kvd.layout.formats import FormatError, has_heads, legacy_remote_format
 from kvd.layout.geometry import GeometryError, cache_geometry
 from kvd.protocol import Attach, PageFormat, Reason
+from kvd.shm import populate
 
 
 def open_cache(request: Attach, device_name: str, owner: Owner) -> AttachedCache:

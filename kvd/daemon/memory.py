@@ -12,7 +12,6 @@ refuses two tensors whose spans overlap, so no byte is ever rewritten through tw
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import mmap
 import os
@@ -29,7 +28,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _SHM_NAME = re.compile(r"^[A-Za-z0-9._-]{1,255}$")
-_MADV_POPULATE_WRITE = 23  # Linux 5.14+
 
 
 class AttachError(Exception):
@@ -130,20 +128,6 @@ def _map_trusted(fd: int, st: os.stat_result, where: str) -> mmap.mmap:
     if st.st_size == 0:
         raise AttachError(Reason.MEMORY_UNAVAILABLE, f"{where} is empty")
     return mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-
-
-def populate(tensor: torch.Tensor) -> None:
-    """Fill in kvd's page tables for a shared mapping now, without touching its bytes.
-
-    Otherwise the first post-process of every page pays a page fault in kvd's process (a
-    mapping's page tables are per process, however warm the engine's are).
-    """
-    libc = ctypes.CDLL(None, use_errno=True)
-    page = os.sysconf("SC_PAGE_SIZE")
-    start = tensor.data_ptr() // page * page
-    length = tensor.data_ptr() + tensor.numel() * tensor.element_size() - start
-    if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_POPULATE_WRITE):
-        log.debug("madvise(MADV_POPULATE_WRITE) failed: %s", os.strerror(ctypes.get_errno()))
 
 
 class Opener:

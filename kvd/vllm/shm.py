@@ -5,8 +5,9 @@ vLLM 0.32 allocates a worker's whole KV cache as one ``torch.zeros(n, dtype=torc
 makes every layer's view of it. ``ShmAllocation`` is that context: it turns exactly that call
 into a mapping of a fresh file, so every view, NIXL's registration included, lives on shared
 memory with no copy. The file is reserved with ``posix_fallocate`` (a full /dev/shm fails at
-start, not with SIGBUS later), created 0660 (kvd's group may map it; ``group`` sets it), and
-removed when the worker shuts down. A worker that was killed cannot remove its file: the next
+start, not with SIGBUS later), its pages are faulted in ahead as ``torch.zeros`` would have, it
+is created 0660 (kvd's group may map it; ``group`` sets it) and removed when the worker shuts
+down. A worker that was killed cannot remove its file: the next
 one started by the same user removes the files of workers that no longer exist.
 """
 
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from kvd.shm import SHM_DIR
+from kvd.shm import SHM_DIR, populate
 
 log = logging.getLogger("vllm.kvd")
 
@@ -70,6 +71,13 @@ class ShmAllocation(TorchFunctionMode):
         os.close(fd)
         self.nbytes = nbytes
         mapped = torch.from_file(self.path, shared=True, size=size, dtype=torch.int8)
+        # vLLM's torch.zeros would have faulted in every page; without that, the forward that
+        # first reads a block kvd wrote pays its page faults (kvd.shm.populate).
+        if not populate(mapped):
+            log.warning(
+                "could not fault in the KV cache's pages ahead (madvise MADV_POPULATE_WRITE, "
+                "Linux 5.14+): the first step that reads each block kvd wrote pays page faults"
+            )
         log.info("KV cache in %s (%.1f MiB) for kvd", self.path, size / 2**20)
         return mapped[:nbytes]
 
