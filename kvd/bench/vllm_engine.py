@@ -325,6 +325,8 @@ def decode(config: dict[str, Any]) -> None:
     llm = make_llm(config)
     server = _PrefillServer(config["prefill"])
     result: dict[str, Any] = {"startup_s": time.monotonic() - config["launched"]}
+    if config.get("timed"):
+        _warm_batch_shapes(llm, config.get("max_num_seqs", 8))
     for mode in config.get("modes", ["batch"]):
         if mode == "batch":
             result["decode"] = _batch(llm, server, config)
@@ -342,6 +344,28 @@ def decode(config: dict[str, Any]) -> None:
     # As vLLM does at exit (main() ends with os._exit): the connector's shutdown writes its
     # last stats (kvd_stats_path), which its own thread otherwise rewrites only now and then.
     llm.llm_engine.engine_core.shutdown()
+
+
+def _warm_batch_shapes(llm: Any, most: int) -> None:
+    """Decode steps of every batch size from ``most`` down to 1, before anything is timed.
+
+    vLLM's CPU linear layers create a oneDNN matmul primitive for each new number of tokens in
+    a step (1 to 1.5 ms for a step's five, ONEDNN_VERBOSE=profile_create), so a fresh engine's
+    first step at each batch size is its longest. A timed run of 60 steps would rank stock and
+    kvd by which batch sizes their schedules happened to reach first; a serving engine has met
+    them all. Local prompts, no KV transfer; the timed connector's figures are dropped after.
+    """
+    from vllm import TokensPrompt
+
+    # max_tokens 2..most+1: after the prefill step all ``most`` decode, then one fewer each step.
+    llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in prompts((8,) * most, seed=3)],
+        [sampling(n, None, None) for n in range(2, most + 2)],
+        use_tqdm=False,
+    )
+    from kvd.bench.vllm_connectors import take_timings
+
+    llm.collective_rpc(take_timings)
 
 
 def _batch(llm: Any, server: _PrefillServer, config: dict[str, Any]) -> list[dict[str, Any]]:
