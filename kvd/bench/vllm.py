@@ -271,13 +271,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--running", type=int, default=8, help="load: requests decoding from the start (8)"
     )
     parser.add_argument(
-        "--running-tokens", type=int, default=64, help="load: tokens each running one decodes (64)"
+        "--running-tokens",
+        type=int,
+        default=256,
+        help="load: tokens each running one decodes (256: about 250 steps of 8 or more "
+        "requests, so a p99 is not the single worst step)",
     )
     parser.add_argument(
         "--arrivals",
         type=int,
-        default=8,
-        help="load: requests added one at a time while the running ones decode (8)",
+        default=32,
+        help="load: requests added one at a time while the running ones decode (32)",
     )
     parser.add_argument(
         "--arrival-prompt-tokens",
@@ -306,6 +310,10 @@ the same requests, in one or both modes:
               its first token (the NIXL READ, the post-process (inline, or through kvd), the
               step that picks it up, the first forward; not the prefill). Request latency: from
               the add to the last token.
+
+Before anything is timed, each decode instance decodes once at every batch size up to its
+max_num_seqs (local prompts): vLLM's CPU matmuls create oneDNN primitives at each batch size
+they first meet, 1 to 1.5 ms in that step, which a serving engine has long paid.
 
 Both connectors are timed identically, per engine step, by kvd.bench.vllm_connectors:
 get_finished is the whole get_transfer_results vLLM calls each step; inside it, vLLM's NIXL
