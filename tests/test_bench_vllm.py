@@ -25,7 +25,9 @@ def test_get_finished_splits_into_shared_polling_inline_post_process_and_additio
             "whole_s": [0.004, 0.001],
             "whole_cpu_s": [0.003, 0.001],
             "poll_s": [0.003, 0.0005],
+            "poll_cpu_s": [0.0025, 0.0004],
             "inline_s": [0.002, 0.0],
+            "inline_cpu_s": [0.0015, 0.0],
             "landed_to_released_s": [0.0],
             "failed": 0,
         }
@@ -34,6 +36,9 @@ def test_get_finished_splits_into_shared_polling_inline_post_process_and_additio
     assert figures["shared_polling_sum"] == pytest.approx(1.5)
     assert figures["inline_post_process_sum"] == pytest.approx(2.0)
     assert figures["additions_sum"] == pytest.approx(1.5)
+    # In CPU time: the engine thread's time preempted left out.
+    assert figures["inline_post_process_cpu_sum"] == pytest.approx(1.5)
+    assert figures["additions_cpu_sum"] == pytest.approx(1.1)
     assert figures["inline_post_process"]["p50"] == pytest.approx(2.0)  # steps that ran it
     assert figures["get_finished"]["max"] == pytest.approx(4.0)
 

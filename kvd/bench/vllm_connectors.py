@@ -8,7 +8,7 @@ measure the same code:
 - ``_TimedWhole``, outermost: the worker's whole ``get_transfer_results`` (vLLM 0.32's name for
   the connector's per-step ``get_finished``; the model runner calls it once per engine step,
   with or without a forward), in wall time and in the engine thread's CPU time (on a shared
-  machine wall time includes waiting for a core; CPU time does not);
+  machine wall time includes waiting for a core; CPU time does not); so are the two below;
 - ``_TimedPoll``, just above vLLM's ``NixlPullConnectorWorker``: vLLM's own
   ``get_transfer_results``, the NIXL polling both connectors share, and inside it the inline
   post-process (stock runs it; ``KvdWorker`` overrides it with nothing).
@@ -43,30 +43,38 @@ must not grow without bound."""
 
 class StepTimings:
     """Per engine step: the whole ``get_transfer_results``, vLLM's polling inside it, and the
-    inline post-process inside that, in seconds; per request, landed (vLLM's polling saw its
-    READ done) to released (returned to the scheduler as received)."""
+    inline post-process inside that, in seconds of wall and of the engine thread's CPU time;
+    per request, landed (vLLM's polling saw its READ done) to released (returned to the
+    scheduler as received)."""
 
     def __init__(self) -> None:
         self.whole_s: deque[float] = deque(maxlen=MAX_STEPS)
         self.whole_cpu_s: deque[float] = deque(maxlen=MAX_STEPS)
         self.poll_s: deque[float] = deque(maxlen=MAX_STEPS)
+        self.poll_cpu_s: deque[float] = deque(maxlen=MAX_STEPS)
         self.inline_s: deque[float] = deque(maxlen=MAX_STEPS)
+        self.inline_cpu_s: deque[float] = deque(maxlen=MAX_STEPS)
         self.landed_to_released_s: list[float] = []
         self.failed = 0
         self.landed_at: dict[str, float] = {}
 
     def step(
         self,
+        results: KVConnectorTransferResults,
+        *,
         whole_s: float,
         whole_cpu_s: float,
         poll_s: float,
+        poll_cpu_s: float,
         inline_s: float,
-        results: KVConnectorTransferResults,
+        inline_cpu_s: float,
     ) -> None:
         self.whole_s.append(whole_s)
         self.whole_cpu_s.append(whole_cpu_s)
         self.poll_s.append(poll_s)
+        self.poll_cpu_s.append(poll_cpu_s)
         self.inline_s.append(inline_s)
+        self.inline_cpu_s.append(inline_cpu_s)
         now = time.perf_counter()
         for req_id in results.finished_recving:
             landed = self.landed_at.pop(req_id, None)
@@ -82,7 +90,9 @@ class StepTimings:
             "whole_s": list(self.whole_s),
             "whole_cpu_s": list(self.whole_cpu_s),
             "poll_s": list(self.poll_s),
+            "poll_cpu_s": list(self.poll_cpu_s),
             "inline_s": list(self.inline_s),
+            "inline_cpu_s": list(self.inline_cpu_s),
             "landed_to_released_s": self.landed_to_released_s,
             "failed": self.failed,
             "held": len(self.landed_at),
@@ -90,7 +100,9 @@ class StepTimings:
         self.whole_s.clear()
         self.whole_cpu_s.clear()
         self.poll_s.clear()
+        self.poll_cpu_s.clear()
         self.inline_s.clear()
+        self.inline_cpu_s.clear()
         self.landed_to_released_s = []
         self.failed = 0
         return taken
@@ -101,22 +113,26 @@ class _TimedPoll(NixlPullConnectorWorker):
 
     timings: StepTimings
     _inline_s: float
+    _inline_cpu_s: float
     _last_poll_s: float
+    _last_poll_cpu_s: float
 
     def get_transfer_results(self) -> KVConnectorTransferResults:
-        self._inline_s = 0.0
-        started = time.perf_counter()
+        self._inline_s = self._inline_cpu_s = 0.0
+        started, cpu_started = time.perf_counter(), time.thread_time()
         results = super().get_transfer_results()
         self._last_poll_s = time.perf_counter() - started
+        self._last_poll_cpu_s = time.thread_time() - cpu_started
         now = time.perf_counter()
         for req_id in results.finished_recving - results.failed_recving:
             self.timings.landed_at[req_id] = now
         return results
 
     def post_process_device_kv_on_receive(self, *args: Any, **kwargs: Any) -> None:
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.thread_time()
         super().post_process_device_kv_on_receive(*args, **kwargs)
         self._inline_s += time.perf_counter() - started
+        self._inline_cpu_s += time.thread_time() - cpu_started
 
 
 class _TimedWhole(NixlPullConnectorWorker):
@@ -124,18 +140,28 @@ class _TimedWhole(NixlPullConnectorWorker):
 
     timings: StepTimings
     _inline_s: float
+    _inline_cpu_s: float
     _last_poll_s: float
+    _last_poll_cpu_s: float
 
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, engine_id, kv_cache_config)
         self.timings = StepTimings()
-        self._inline_s = self._last_poll_s = 0.0
+        self._inline_s = self._inline_cpu_s = self._last_poll_s = self._last_poll_cpu_s = 0.0
 
     def get_transfer_results(self) -> KVConnectorTransferResults:
         started, cpu_started = time.perf_counter(), time.thread_time()
         results = super().get_transfer_results()
         whole_s, whole_cpu_s = time.perf_counter() - started, time.thread_time() - cpu_started
-        self.timings.step(whole_s, whole_cpu_s, self._last_poll_s, self._inline_s, results)
+        self.timings.step(
+            results,
+            whole_s=whole_s,
+            whole_cpu_s=whole_cpu_s,
+            poll_s=self._last_poll_s,
+            poll_cpu_s=self._last_poll_cpu_s,
+            inline_s=self._inline_s,
+            inline_cpu_s=self._inline_cpu_s,
+        )
         return results
 
 

@@ -41,6 +41,9 @@ def connector_figures(timings: dict[str, Any]) -> dict[str, Any]:
     """Per-step and per-run figures of one connector over one run."""
     whole, poll, inline = timings["whole_s"], timings["poll_s"], timings["inline_s"]
     additions = [w - p for w, p in zip(whole, poll, strict=True)]
+    additions_cpu = [
+        w - p for w, p in zip(timings["whole_cpu_s"], timings["poll_cpu_s"], strict=True)
+    ]
     return {
         "steps": len(whole),
         "get_finished": _spread(whole),
@@ -50,8 +53,10 @@ def connector_figures(timings: dict[str, Any]) -> dict[str, Any]:
         "shared_polling_sum": 1000 * (sum(poll) - sum(inline)),
         "inline_post_process": _spread([s for s in inline if s > 0]),
         "inline_post_process_sum": 1000 * sum(inline),
+        "inline_post_process_cpu_sum": 1000 * sum(timings["inline_cpu_s"]),
         "additions": _spread(additions),
         "additions_sum": 1000 * sum(additions),
+        "additions_cpu_sum": 1000 * sum(additions_cpu),
         "landed_to_released": _spread(timings["landed_to_released_s"]),
         "failed": timings["failed"],
     }
@@ -229,6 +234,13 @@ def mode_table(mode: str, report: dict[str, Any]) -> list[str]:
             kc["inline_post_process_sum"],
         ),
         _row("  additions (hand-off, events), summed", sc["additions_sum"], kc["additions_sum"]),
+        # Without the time the engine thread spent preempted, which wall time counts.
+        _row(
+            "  inline post-process CPU time, summed",
+            sc["inline_post_process_cpu_sum"],
+            kc["inline_post_process_cpu_sum"],
+        ),
+        _row("  additions CPU time, summed", sc["additions_cpu_sum"], kc["additions_cpu_sum"]),
         _row(
             "inline post-process per step p50",
             *_pair(sc, kc, "inline_post_process", "p50"),
