@@ -28,6 +28,8 @@ def test_get_finished_splits_into_shared_polling_inline_post_process_and_additio
             "poll_cpu_s": [0.0025, 0.0004],
             "inline_s": [0.002, 0.0],
             "inline_cpu_s": [0.0015, 0.0],
+            "moved": [True, False],
+            "landed": 2,
             "landed_to_released_s": [0.0],
             "failed": 0,
         }
@@ -39,6 +41,11 @@ def test_get_finished_splits_into_shared_polling_inline_post_process_and_additio
     # In CPU time: the engine thread's time preempted left out.
     assert figures["inline_post_process_cpu_sum"] == pytest.approx(1.5)
     assert figures["additions_cpu_sum"] == pytest.approx(1.1)
+    # The second step moved nothing: its additions are the floor every step pays.
+    assert figures["quiet_steps"] == 1
+    assert figures["quiet_additions_cpu_sum"] == pytest.approx(0.6)
+    assert figures["additions_cpu_per_request"] == pytest.approx(0.25)
+    assert figures["inline_post_process_cpu_per_request"] == pytest.approx(0.75)
     assert figures["inline_post_process"]["p50"] == pytest.approx(2.0)  # steps that ran it
     assert figures["get_finished"]["max"] == pytest.approx(4.0)
 

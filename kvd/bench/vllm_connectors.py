@@ -54,6 +54,9 @@ class StepTimings:
         self.poll_cpu_s: deque[float] = deque(maxlen=MAX_STEPS)
         self.inline_s: deque[float] = deque(maxlen=MAX_STEPS)
         self.inline_cpu_s: deque[float] = deque(maxlen=MAX_STEPS)
+        self.moved: deque[bool] = deque(maxlen=MAX_STEPS)
+        """Per step: whether a READ landed or a request was released in it."""
+        self.landed = 0
         self.landed_to_released_s: list[float] = []
         self.failed = 0
         self.landed_at: dict[str, float] = {}
@@ -68,6 +71,7 @@ class StepTimings:
         poll_cpu_s: float,
         inline_s: float,
         inline_cpu_s: float,
+        landed: int,
     ) -> None:
         self.whole_s.append(whole_s)
         self.whole_cpu_s.append(whole_cpu_s)
@@ -75,13 +79,15 @@ class StepTimings:
         self.poll_cpu_s.append(poll_cpu_s)
         self.inline_s.append(inline_s)
         self.inline_cpu_s.append(inline_cpu_s)
+        self.moved.append(bool(landed or results.finished_recving))
+        self.landed += landed
         now = time.perf_counter()
         for req_id in results.finished_recving:
-            landed = self.landed_at.pop(req_id, None)
+            landed_at = self.landed_at.pop(req_id, None)
             if req_id in results.failed_recving:
                 self.failed += 1
-            elif landed is not None:
-                self.landed_to_released_s.append(now - landed)
+            elif landed_at is not None:
+                self.landed_to_released_s.append(now - landed_at)
 
     def take(self) -> dict[str, Any]:
         """The figures so far, as JSON-ready lists; the next run starts from nothing (requests
@@ -93,6 +99,8 @@ class StepTimings:
             "poll_cpu_s": list(self.poll_cpu_s),
             "inline_s": list(self.inline_s),
             "inline_cpu_s": list(self.inline_cpu_s),
+            "moved": list(self.moved),
+            "landed": self.landed,
             "landed_to_released_s": self.landed_to_released_s,
             "failed": self.failed,
             "held": len(self.landed_at),
@@ -103,6 +111,8 @@ class StepTimings:
         self.poll_cpu_s.clear()
         self.inline_s.clear()
         self.inline_cpu_s.clear()
+        self.moved.clear()
+        self.landed = 0
         self.landed_to_released_s = []
         self.failed = 0
         return taken
@@ -116,6 +126,7 @@ class _TimedPoll(NixlPullConnectorWorker):
     _inline_cpu_s: float
     _last_poll_s: float
     _last_poll_cpu_s: float
+    _landed: int
 
     def get_transfer_results(self) -> KVConnectorTransferResults:
         self._inline_s = self._inline_cpu_s = 0.0
@@ -124,8 +135,10 @@ class _TimedPoll(NixlPullConnectorWorker):
         self._last_poll_s = time.perf_counter() - started
         self._last_poll_cpu_s = time.thread_time() - cpu_started
         now = time.perf_counter()
-        for req_id in results.finished_recving - results.failed_recving:
+        landed = results.finished_recving - results.failed_recving
+        for req_id in landed:
             self.timings.landed_at[req_id] = now
+        self._landed = len(landed)
         return results
 
     def post_process_device_kv_on_receive(self, *args: Any, **kwargs: Any) -> None:
@@ -143,11 +156,13 @@ class _TimedWhole(NixlPullConnectorWorker):
     _inline_cpu_s: float
     _last_poll_s: float
     _last_poll_cpu_s: float
+    _landed: int
 
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, engine_id, kv_cache_config)
         self.timings = StepTimings()
         self._inline_s = self._inline_cpu_s = self._last_poll_s = self._last_poll_cpu_s = 0.0
+        self._landed = 0
 
     def get_transfer_results(self) -> KVConnectorTransferResults:
         started, cpu_started = time.perf_counter(), time.thread_time()
@@ -161,6 +176,7 @@ class _TimedWhole(NixlPullConnectorWorker):
             poll_cpu_s=self._last_poll_cpu_s,
             inline_s=self._inline_s,
             inline_cpu_s=self._inline_cpu_s,
+            landed=self._landed,
         )
         return results
 

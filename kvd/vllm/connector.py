@@ -324,6 +324,8 @@ class KvdWorker(NixlPullConnectorWorker):
         link = self._link
         assert link is not None  # started in register_kv_caches
         link.steps += 1
+        if not (results.finished_recving or link.inbox or self._unsent):
+            return results  # most steps: nothing landed, nothing to answer
         started = time.perf_counter()
         handed_off = 0
         if results.finished_recving:
