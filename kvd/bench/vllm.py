@@ -318,8 +318,12 @@ they first meet, 1 to 1.5 ms in that step, which a serving engine has long paid.
 Both connectors are timed identically, per engine step, by kvd.bench.vllm_connectors:
 get_finished is the whole get_transfer_results vLLM calls each step; inside it, vLLM's NIXL
 polling (both share it) and stock's inline post-process; a connector's additions are its
-get_finished less the polling (kvd: its hand-offs and its drain of kvd's events). Landed ->
-released: from vLLM's polling seeing a READ done to the request going back to the scheduler.
+get_finished less the polling (kvd: its hand-offs and its drain of kvd's events; stock: the
+timing layer alone), in wall time and in the engine thread's CPU time. Every step pays the
+timing layer, so the additions of the steps where nothing landed or left are shown apart, and
+the CPU per request landed compares stock's inline post-process with kvd's additions in the
+other steps. Landed -> released: from vLLM's polling seeing a READ done to the request going
+back to the scheduler.
 
 Targets (issue 19), judged per mode: kvd's additions <= 0.1x stock's inline post-process and
 kvd's get_finished <= 0.5x stock's, both summed over the run; kvd's worst get_finished step no
