@@ -40,6 +40,9 @@ MAX_STEPS = 200_000
 """Steps kept per run (the oldest are dropped): an idle engine polls every step, so a long run
 must not grow without bound."""
 
+PER_STEP = ("whole_s", "whole_cpu_s", "poll_s", "poll_cpu_s", "inline_s", "inline_cpu_s", "moved")
+"""``StepTimings``' per-step series, each a deque of ``MAX_STEPS``."""
+
 
 class StepTimings:
     """Per engine step: the whole ``get_transfer_results``, vLLM's polling inside it, and the
@@ -92,26 +95,15 @@ class StepTimings:
     def take(self) -> dict[str, Any]:
         """The figures so far, as JSON-ready lists; the next run starts from nothing (requests
         still held stay held)."""
-        taken = {
-            "whole_s": list(self.whole_s),
-            "whole_cpu_s": list(self.whole_cpu_s),
-            "poll_s": list(self.poll_s),
-            "poll_cpu_s": list(self.poll_cpu_s),
-            "inline_s": list(self.inline_s),
-            "inline_cpu_s": list(self.inline_cpu_s),
-            "moved": list(self.moved),
+        taken: dict[str, Any] = {name: list(getattr(self, name)) for name in PER_STEP}
+        taken |= {
             "landed": self.landed,
             "landed_to_released_s": self.landed_to_released_s,
             "failed": self.failed,
             "held": len(self.landed_at),
         }
-        self.whole_s.clear()
-        self.whole_cpu_s.clear()
-        self.poll_s.clear()
-        self.poll_cpu_s.clear()
-        self.inline_s.clear()
-        self.inline_cpu_s.clear()
-        self.moved.clear()
+        for name in PER_STEP:
+            getattr(self, name).clear()
         self.landed = 0
         self.landed_to_released_s = []
         self.failed = 0
