@@ -486,6 +486,18 @@ def _add_bench(commands: Any) -> None:
         help="kvd's batch window for the run, microseconds or 'auto' (default: kvd's default)",
     )
     pipeline.add_argument(
+        "--daemon-cpus",
+        type=_daemon_cpus,
+        default="auto",
+        metavar="CPUS",
+        help=(
+            "the CPUs of the daemon under test, kvd and each relay in turn, as kvd is meant to "
+            "run on a core of its own: a list such as 1 or 2-3 (this bench runs on the others), "
+            "'auto' for the last CPU this process may use when it may use two or more, 'none' "
+            "to leave every process to the scheduler (default: %(default)s)"
+        ),
+    )
+    pipeline.add_argument(
         "--soak",
         type=int,
         default=0,
@@ -651,6 +663,17 @@ def _bench_pipeline(args: argparse.Namespace) -> int:
     from kvd.bench.pipeline import run
 
     return run(args)
+
+
+def _daemon_cpus(text: str) -> str:
+    from kvd.bench.cores import PlacementError, parse_cpus
+
+    if text not in ("auto", "none"):
+        try:
+            parse_cpus(text)
+        except PlacementError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _batch_window(text: str) -> int | str:

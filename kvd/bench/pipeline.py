@@ -32,6 +32,15 @@ import msgspec
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvd.bench.cores import (
+    Placement,
+    PlacementError,
+    cpu_seconds,
+    format_cpus,
+    placement,
+    read_cpu,
+    spawning_on,
+)
 from kvd.client import Client, read_done_message
 from kvd.daemon_process import DaemonProcess
 from kvd.progress import progress_bar
@@ -83,13 +92,6 @@ _OUTCOME = msgspec.msgpack.Decoder(_Outcome)
 
 class MixError(RuntimeError):
     """The target sent no events, failed a warm-up notification or stopped answering."""
-
-
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far, all threads (Linux /proc)."""
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def percentile(ordered: list[float], q: float) -> float:
@@ -207,15 +209,14 @@ def measure(
             target.push.send(frame)
 
     sender = threading.Thread(target=send)
-    cpu_s = process_cpu_s(target.pid) if target.pid else 0.0
+    cpu_before = read_cpu(target.pid) if target.pid else None
     start = time.perf_counter()
     sender.start()
     failed = 0
     for received in range(messages):
         failed += _KIND.decode(_next_event(target, received, messages)).type == "failed"
     elapsed = time.perf_counter() - start
-    if target.pid:
-        cpu_s = process_cpu_s(target.pid) - cpu_s
+    cpu_s = cpu_seconds(cpu_before, read_cpu(target.pid)) if cpu_before else 0.0
     sender.join()
 
     # Latency: one notification at a time, ReadDone sent to its event received.
@@ -510,6 +511,11 @@ def run(args: argparse.Namespace) -> int:
     if args.messages is None:
         args.messages = 20000
     quiet = args.json or args.no_progress
+    try:
+        placed = placement(args.daemon_cpus)
+    except PlacementError as exc:
+        print(f"kvd bench pipeline: --daemon-cpus: {exc}", file=sys.stderr)
+        return 2
     windows = _windows(args)
     if args.transform == "layout":
         num_blocks = windows * args.blocks
@@ -537,6 +543,10 @@ def run(args: argparse.Namespace) -> int:
             head_dim=8,
             layout="NHD",
         )
+    affinity = os.sched_getaffinity(0)
+    if placed.bench is not None:
+        # Before the context: ZMQ's I/O threads and the sender thread start here too.
+        os.sched_setaffinity(0, placed.bench)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     work = Path(tempfile.mkdtemp(prefix="kvd-bench-"))
     # A throughput run puts every notification in flight at once, and this process reads the
@@ -558,14 +568,16 @@ def run(args: argparse.Namespace) -> int:
         for name in FLOORS:
             flavour = name.removeprefix("relay-")
             ingest, events = f"ipc://{work}/{name}-ingest.sock", f"ipc://{work}/{name}-events.sock"
-            relay = relays[name] = subprocess.Popen(
-                [sys.executable, "-m", "kvd.bench.relay", flavour, ingest, events],
-                stdout=subprocess.PIPE,
-            )
+            with spawning_on(placed.daemon):
+                relay = relays[name] = subprocess.Popen(
+                    [sys.executable, "-m", "kvd.bench.relay", flavour, ingest, events],
+                    stdout=subprocess.PIPE,
+                )
             if relay.stdout is None or relay.stdout.readline().strip() != b"ready":
                 raise RuntimeError(f"the {name} relay did not start")
             targets[name] = Target(ctx, ingest, events, pid=relay.pid)
-        daemon.start()
+        with spawning_on(placed.daemon):
+            daemon.start()
         # Open for the whole run: the cache is held by this connection (engine_lease_s).
         client = daemon.client()
         client.attach(CACHE_ID, cache.specs)
@@ -618,8 +630,9 @@ def run(args: argparse.Namespace) -> int:
             relay.wait()
         daemon.stop()
         cache.close()
+        os.sched_setaffinity(0, affinity)
 
-    report = _report(args, window, rounds)
+    report = _report(args, window, placed, rounds)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -642,7 +655,10 @@ def _ratios(kvd: list[Figures], floor: list[Figures]) -> dict[str, float]:
 
 
 def _report(
-    args: argparse.Namespace, window: int | str, rounds: dict[str, list[Figures]]
+    args: argparse.Namespace,
+    window: int | str,
+    placed: Placement,
+    rounds: dict[str, list[Figures]],
 ) -> dict[str, object]:
     ratios = {floor: _ratios(rounds["kvd"], rounds[floor]) for floor in FLOORS}
     against = ratios["relay-api"]
@@ -670,6 +686,8 @@ def _report(
         "blocks_per_notification": args.blocks,
         "transform": args.transform,
         "batch_window_us": window,
+        "daemon_cpus": format_cpus(placed.daemon) if placed.daemon else None,
+        "bench_cpus": format_cpus(placed.bench) if placed.bench else None,
         "figures": {
             name: {k: _median(rs, k) for k in asdict(rs[0])} for name, rs in rounds.items()
         },
@@ -684,6 +702,15 @@ def _report(
         },
         "meets_targets": meets,
     }
+
+
+def _placement_line(report: dict[str, Any]) -> str:
+    if report["daemon_cpus"] is None:
+        return "kvd and the relays placed by the scheduler"
+    return (
+        f"kvd and the relays on CPU {report['daemon_cpus']} (in turn), "
+        f"this bench on CPU {report['bench_cpus']}"
+    )
 
 
 def _table(report: dict[str, Any]) -> str:
@@ -708,7 +735,7 @@ def _table(report: dict[str, Any]) -> str:
         f"kvd bench pipeline: {report['rounds']} rounds, {report['messages']} notifications "
         f"per throughput run, {report['latency_samples']} latency samples, "
         f"{report['blocks_per_notification']} blocks each, transform {report['transform']}, "
-        f"batch window {report['batch_window_us']} us",
+        f"batch window {report['batch_window_us']} us; " + _placement_line(report),
         "",
         *format_table(rows, right=range(1, 6)),
         "",

@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from kvd.bench.cores import spawning_on
 from kvd.bench.stalls import StallWatch
 from kvd.bench.vllm_engine import MAX_MODEL_LEN, STARTUP_S, make_model, prompts
 from kvd.bench.vllm_report import mode_report, mode_table
@@ -77,11 +78,8 @@ def free_port() -> int:
 def _pinned_daemon(core: int) -> Iterator[DaemonProcess]:
     """``kvd serve`` on ``core``: it inherits this process's affinity while it starts."""
     daemon = DaemonProcess()
-    os.sched_setaffinity(0, {core} & _ALL_CORES or _ALL_CORES)
-    try:
+    with spawning_on(frozenset({core} & _ALL_CORES or _ALL_CORES)):
         daemon.start()
-    finally:
-        os.sched_setaffinity(0, _ALL_CORES)
     try:
         yield daemon
     finally:

@@ -1,0 +1,127 @@
+"""Where a benchmark's processes run, and the CPU time a process used, to the nanosecond.
+
+kvd is meant to run on a core of its own (systemd ``CPUAffinity=``, a Kubernetes CPU manager's
+exclusive cpuset). A benchmark that compares it with a baseline places both the same way: the
+daemon under test (kvd, or the baseline in its place) on ``Placement.daemon``, the benchmark's
+own threads on ``Placement.bench``. A child inherits the affinity of the thread that starts it,
+so ``spawning_on`` sets the calling thread's for the time of a spawn: every thread the child
+ever makes (ZMQ's I/O threads, kvd's executor) starts on those CPUs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class PlacementError(ValueError):
+    """A CPU list that cannot be used here; the message names the CPUs and why."""
+
+
+def parse_cpus(text: str) -> frozenset[int]:
+    """A CPU list as ``taskset -c`` writes it: ``1``, ``2-3``, ``0,2-3``."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        low, dash, high = part.strip().partition("-")
+        try:
+            first = int(low)
+            last = int(high) if dash else first
+        except ValueError:
+            raise PlacementError(f"{text!r} is not a CPU list such as 1, 2-3 or 0,2-3") from None
+        if not 0 <= first <= last:
+            raise PlacementError(f"{part.strip()!r} is not a CPU range")
+        cpus.update(range(first, last + 1))
+    return frozenset(cpus)
+
+
+def format_cpus(cpus: frozenset[int]) -> str:
+    """``parse_cpus``' form: ``0,2-3``."""
+    ordered, parts = sorted(cpus), []
+    start = prev = ordered[0]
+    for cpu in [*ordered[1:], -1]:
+        if cpu != prev + 1:
+            parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = cpu
+        prev = cpu
+    return ",".join(parts)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The daemon under test's CPUs and the benchmark's; both None: left to the scheduler."""
+
+    daemon: frozenset[int] | None = None
+    bench: frozenset[int] | None = None
+
+
+def placement(spec: str, allowed: frozenset[int] | None = None) -> Placement:
+    """``spec``: ``auto`` (the daemon on the last CPU this process may use, the bench on the
+    others; unpinned with only one), ``none`` (unpinned), or a CPU list for the daemon (the
+    bench gets the rest). Raises ``PlacementError`` for CPUs this process may not use, or a
+    list that leaves the bench none."""
+    allowed = allowed if allowed is not None else frozenset(os.sched_getaffinity(0))
+    if spec == "none" or (spec == "auto" and len(allowed) < 2):
+        return Placement()
+    daemon = frozenset({max(allowed)}) if spec == "auto" else parse_cpus(spec)
+    if not daemon <= allowed:
+        raise PlacementError(
+            f"CPU {format_cpus(daemon - allowed)} is not one this process may run on "
+            f"(it may use {format_cpus(allowed)})"
+        )
+    bench = allowed - daemon
+    if not bench:
+        raise PlacementError(f"CPU {format_cpus(daemon)} leaves no CPU for the benchmark itself")
+    return Placement(daemon, bench)
+
+
+@contextlib.contextmanager
+def spawning_on(cpus: frozenset[int] | None) -> Iterator[None]:
+    """Processes started in this block (by this thread) run on ``cpus``; None: as this thread."""
+    if cpus is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+@dataclass(frozen=True)
+class CpuReading:
+    """A process's CPU time so far: per live thread in ns (``/proc/PID/task/*/schedstat``, empty
+    where the kernel keeps no such figures), and all threads ever in clock ticks (``stat``)."""
+
+    threads_ns: dict[int, int]
+    ticks_s: float
+
+
+def read_cpu(pid: int) -> CpuReading:
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    ticks_s = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    threads_ns = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            threads_ns[int(task.name)] = int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # the thread ended while being read
+    if not any(threads_ns.values()):
+        threads_ns = {}  # no schedstat figures (a kernel without CONFIG_SCHED_INFO)
+    return CpuReading(threads_ns, ticks_s)
+
+
+def cpu_seconds(before: CpuReading, after: CpuReading) -> float:
+    """CPU seconds used between two readings of one process, all its threads.
+
+    To the nanosecond when every thread of ``before`` still runs (threads born since count
+    whole); otherwise, or without schedstat figures, to the clock tick (10 ms at 100 Hz), which
+    counts the time of threads that ended too.
+    """
+    if before.threads_ns and before.threads_ns.keys() <= after.threads_ns.keys():
+        return (sum(after.threads_ns.values()) - sum(before.threads_ns.values())) / 1e9
+    return after.ticks_s - before.ticks_s
