@@ -494,7 +494,8 @@ def _add_bench(commands: Any) -> None:
             "the CPUs of the daemon under test, kvd and each relay in turn, as kvd is meant to "
             "run on a core of its own: a list such as 1 or 2-3 (this bench runs on the others), "
             "'auto' for the last CPU this process may use when it may use two or more, 'none' "
-            "to leave every process to the scheduler (default: %(default)s)"
+            "to leave every process to the scheduler (default: %(default)s). On a core of its "
+            "own kvd runs with dedicated_cpus = true unless KVD_DEDICATED_CPUS says otherwise"
         ),
     )
     pipeline.add_argument(

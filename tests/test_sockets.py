@@ -3,6 +3,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 import zmq
 
+from kvd.bench.cores import io_thread_policies, spawning_on
 from kvd.daemon.sockets import (
     EndpointError,
     RuntimeLock,
@@ -17,6 +19,7 @@ from kvd.daemon.sockets import (
     normalize_endpoint,
     write_endpoints,
 )
+from kvd.daemon_process import DaemonProcess
 from kvd.endpoints import Endpoints, default_runtime_dir, read_endpoints
 
 
@@ -142,3 +145,40 @@ async def test_poke_reads_a_message_whose_edge_a_send_consumed(pair: MakePair) -
         assert dealer.recv() == b"reply"
     finally:
         reader.close()
+
+
+@pytest.mark.parametrize("dedicated", [True, False])
+def test_dedicated_cpus_make_zmqs_io_threads_yield_to_the_event_loop(
+    short_tmp: Path, dedicated: bool
+) -> None:
+    """``dedicated_cpus``: kvd's ZMQ I/O threads run SCHED_BATCH (no wake-up preemption of
+    the loop on a CPU they share); without it they keep the default policy. Started on one CPU
+    of several, as the setting wants, kvd does not warn; it serves either way."""
+    cpus = sorted(os.sched_getaffinity(0))
+    daemon = DaemonProcess(
+        "--dedicated-cpus", str(dedicated).lower(), runtime_dir=short_tmp / "kvd"
+    )
+    with spawning_on(frozenset(cpus[-1:])):
+        daemon.start()
+    try:
+        assert daemon.proc is not None
+        policies = io_thread_policies(daemon.proc.pid)
+        assert policies, "ZMQ's I/O threads, by name"
+        wanted = os.SCHED_BATCH if dedicated else os.SCHED_OTHER
+        assert policies == [wanted] * len(policies)
+        with daemon.client() as client:
+            client.ping()
+        if len(cpus) > 1:
+            assert "dedicated_cpus is set, but" not in daemon.log_path.read_text()
+    finally:
+        daemon.close()
+
+
+def test_dedicated_cpus_on_every_cpu_of_the_machine_is_warned_about(short_tmp: Path) -> None:
+    if len(os.sched_getaffinity(0)) != os.cpu_count():
+        pytest.skip("this process may not use every CPU of the machine")
+    daemon = DaemonProcess("--dedicated-cpus", "true", runtime_dir=short_tmp / "kvd").start()
+    try:
+        assert "dedicated_cpus is set, but kvd may run on every CPU" in daemon.log_path.read_text()
+    finally:
+        daemon.close()

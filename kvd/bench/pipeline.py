@@ -37,6 +37,7 @@ from kvd.bench.cores import (
     PlacementError,
     cpu_seconds,
     format_cpus,
+    io_threads_batch,
     placement,
     read_cpu,
     spawning_on,
@@ -559,6 +560,9 @@ def run(args: argparse.Namespace) -> int:
         kvd_args += ["--metrics-addr", "0"]  # the executor's time per job, for the report
     if args.batch_window_us is not None:
         kvd_args += ["--batch-window-us", str(args.batch_window_us)]
+    if placed.daemon is not None and "KVD_DEDICATED_CPUS" not in os.environ:
+        # On a core of its own kvd runs as it should there (its environment may say otherwise).
+        kvd_args += ["--dedicated-cpus", "true"]
     daemon = DaemonProcess(*kvd_args, runtime_dir=work / "kvd")
     relays: dict[str, subprocess.Popen[bytes]] = {}
     targets: dict[str, Target] = {}
@@ -583,8 +587,9 @@ def run(args: argparse.Namespace) -> int:
         client.attach(CACHE_ID, cache.specs)
         status = client.status()
         window = "auto" if status.batch_window_auto else status.batch_window_us
-        endpoints = daemon.endpoints()
         assert daemon.proc is not None
+        io_batch = io_threads_batch(daemon.proc.pid)
+        endpoints = daemon.endpoints()
         targets["kvd"] = Target(ctx, endpoints.ingest, endpoints.events, pid=daemon.proc.pid)
         makers = {name: _messages(name, args.blocks, args.transform, windows) for name in targets}
         for name, target in targets.items():
@@ -632,7 +637,7 @@ def run(args: argparse.Namespace) -> int:
         cache.close()
         os.sched_setaffinity(0, affinity)
 
-    report = _report(args, window, placed, rounds)
+    report = _report(args, window, placed, io_batch, rounds)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -658,6 +663,7 @@ def _report(
     args: argparse.Namespace,
     window: int | str,
     placed: Placement,
+    io_batch: bool,
     rounds: dict[str, list[Figures]],
 ) -> dict[str, object]:
     ratios = {floor: _ratios(rounds["kvd"], rounds[floor]) for floor in FLOORS}
@@ -688,6 +694,7 @@ def _report(
         "batch_window_us": window,
         "daemon_cpus": format_cpus(placed.daemon) if placed.daemon else None,
         "bench_cpus": format_cpus(placed.bench) if placed.bench else None,
+        "kvd_io_threads_batch": io_batch,
         "figures": {
             name: {k: _median(rs, k) for k in asdict(rs[0])} for name, rs in rounds.items()
         },
@@ -705,12 +712,15 @@ def _report(
 
 
 def _placement_line(report: dict[str, Any]) -> str:
-    if report["daemon_cpus"] is None:
-        return "kvd and the relays placed by the scheduler"
-    return (
-        f"kvd and the relays on CPU {report['daemon_cpus']} (in turn), "
-        f"this bench on CPU {report['bench_cpus']}"
-    )
+    where = "kvd and the relays placed by the scheduler"
+    if report["daemon_cpus"] is not None:
+        where = (
+            f"kvd and the relays on CPU {report['daemon_cpus']} (in turn), "
+            f"this bench on CPU {report['bench_cpus']}"
+        )
+    if report["kvd_io_threads_batch"]:
+        where += "; kvd's ZMQ I/O threads SCHED_BATCH (dedicated_cpus)"
+    return where
 
 
 def _table(report: dict[str, Any]) -> str:

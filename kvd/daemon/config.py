@@ -77,6 +77,16 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             "for when it is safe."
         ),
     ] = False
+    dedicated_cpus: Annotated[
+        bool,
+        _doc(
+            "Set when kvd has the CPUs it runs on to itself (systemd CPUAffinity=, a Kubernetes "
+            "exclusive cpuset): ZMQ's socket I/O threads then run SCHED_BATCH, so a message "
+            "that wakes one no longer preempts kvd's event loop, and a burst's messages move "
+            "together. Never on CPUs another busy process shares: there each message would wait "
+            "for a scheduler tick. See README.md, 'A core of its own'."
+        ),
+    ] = False
     batch_window_us: Annotated[
         BatchWindow,
         _doc(

@@ -52,6 +52,7 @@ from kvd.daemon.sockets import (
     raise_fd_limit,
     remove_runtime_files,
     write_endpoints,
+    yield_io_threads,
 )
 from kvd.daemon.timers import Every
 from kvd.endpoints import Endpoints, default_runtime_dir
@@ -196,6 +197,13 @@ class Server:
             for name in ("control", "ingest", "events", "replay")
         }
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        if config.dedicated_cpus and yield_io_threads(ctx):
+            cpus = os.sched_getaffinity(0)
+            if len(cpus) == os.cpu_count():
+                log.warning(
+                    "dedicated_cpus is set, but kvd may run on every CPU of this machine: "
+                    "give it CPUs of its own (systemd CPUAffinity=, taskset), or unset it"
+                )
         self._ctx = ctx
         ingest = self._socket(zmq.PULL)
         # A hard ceiling well above the limit we report on, so oversized frames still get a

@@ -21,6 +21,7 @@ import secrets
 import socket
 import stat
 import struct
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -410,6 +411,36 @@ def raise_fd_limit() -> int:
         except (ValueError, OSError) as exc:
             log.warning("cannot raise the descriptor limit from %d to %d: %s", soft, target, exc)
     return soft
+
+
+def yield_io_threads(ctx: zmq.Context[zmq.Socket[bytes]]) -> bool:
+    """Make ``ctx``'s I/O threads SCHED_BATCH: a thread woken by a send or a receive waits for
+    the event loop to block instead of preempting it on a CPU they share, then moves every
+    message queued meanwhile. Before the context's first socket (its threads start there).
+
+    False, with a warning, where this process may not take that policy (a seccomp filter):
+    libzmq aborts the process when its thread cannot, so it is tried on a thread of ours first.
+    """
+    refused: list[OSError] = []
+
+    def attempt() -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+        except OSError as exc:
+            refused.append(exc)
+
+    trial = threading.Thread(target=attempt, name="kvd-sched-trial")
+    trial.start()
+    trial.join()
+    if refused:
+        log.warning(
+            "dedicated_cpus: cannot make ZMQ's I/O threads SCHED_BATCH (%s); they keep the "
+            "default policy",
+            refused[0].strerror,
+        )
+        return False
+    ctx.set(zmq.THREAD_SCHED_POLICY, os.SCHED_BATCH)
+    return True
 
 
 _WATCHED = int(zmq.EVENT_ACCEPTED) | int(zmq.EVENT_DISCONNECTED)
