@@ -326,7 +326,7 @@ def decode(config: dict[str, Any]) -> None:
     server = _PrefillServer(config["prefill"])
     result: dict[str, Any] = {"startup_s": time.monotonic() - config["launched"]}
     if config.get("timed"):
-        _warm_batch_shapes(llm, config.get("max_num_seqs", 8))
+        _warm_up(llm, server, config.get("max_num_seqs", 8))
     for mode in config.get("modes", ["batch"]):
         if mode == "batch":
             result["decode"] = _batch(llm, server, config)
@@ -346,14 +346,18 @@ def decode(config: dict[str, Any]) -> None:
     llm.llm_engine.engine_core.shutdown()
 
 
-def _warm_batch_shapes(llm: Any, most: int) -> None:
-    """Decode steps of every batch size from ``most`` down to 1, before anything is timed.
+def _warm_up(llm: Any, server: _PrefillServer, most: int) -> None:
+    """What a serving engine has long paid, before anything is timed; the timed connector's
+    figures are dropped after.
 
-    vLLM's CPU linear layers create a oneDNN matmul primitive for each new number of tokens in
-    a step (1 to 1.5 ms for a step's five, ONEDNN_VERBOSE=profile_create), so a fresh engine's
-    first step at each batch size is its longest. A timed run of 60 steps would rank stock and
-    kvd by which batch sizes their schedules happened to reach first; a serving engine has met
-    them all. Local prompts, no KV transfer; the timed connector's figures are dropped after.
+    - Decode steps of every batch size from ``most`` down to 1: vLLM's CPU linear layers create
+      a oneDNN matmul primitive for each new number of tokens in a step (1 to 1.5 ms for a
+      step's five, ONEDNN_VERBOSE=profile_create), so a fresh engine's first step at each batch
+      size is its longest. A timed run of 60 steps would rank stock and kvd by which batch
+      sizes their schedules happened to reach first. Local prompts, no KV transfer.
+    - One request read from the prefill instance: vLLM's NIXL handshake with a prefill engine
+      runs in a thread of its own on the first request that reads from it, and held the polling
+      of both connectors 2.4 to 4 ms (0.05 ms of it CPU) in the first timed steps.
     """
     from vllm import TokensPrompt
 
@@ -362,6 +366,11 @@ def _warm_batch_shapes(llm: Any, most: int) -> None:
         [TokensPrompt(prompt_token_ids=p) for p in prompts((8,) * most, seed=3)],
         [sampling(n, None, None) for n in range(2, most + 2)],
         use_tqdm=False,
+    )
+    (tokens,) = prompts((100,), seed=4)
+    (params,) = server.transfer_params([tokens])
+    llm.generate(
+        [TokensPrompt(prompt_token_ids=tokens)], [sampling(2, params, None)], use_tqdm=False
     )
     from kvd.bench.vllm_connectors import take_timings
 
