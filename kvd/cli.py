@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 
 from kvd import __version__
+from kvd.cpus import format_cpus
 from kvd.daemon.config import FIELDS, ConfigError, field_help
 from kvd.dtypes import ITEMSIZE
 from kvd.progress import add_progress_flag
@@ -355,6 +356,9 @@ def format_status(reply: Any) -> str:
         + (f"{reply.engine_lease_s:g}s" if reply.engine_lease_s else "off"),
         "",
     ]
+    if reply.cpus:
+        dedicated = ", dedicated (ZMQ I/O threads SCHED_BATCH)" if reply.dedicated_cpus else ""
+        lines[-1:-1] = [f"cpus {format_cpus(reply.cpus)}{dedicated}"]
     if reply.journal_problem:
         lines[-1:-1] = [f"JOURNAL FAILING, new work is refused: {reply.journal_problem}"]
     rows = [
@@ -667,12 +671,12 @@ def _bench_pipeline(args: argparse.Namespace) -> int:
 
 
 def _daemon_cpus(text: str) -> str:
-    from kvd.bench.cores import PlacementError, parse_cpus
+    from kvd.cpus import CpuListError, parse_cpus
 
     if text not in ("auto", "none"):
         try:
             parse_cpus(text)
-        except PlacementError as exc:
+        except CpuListError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
     return text
 

@@ -320,6 +320,10 @@ class DaemonStatus(_Message, tag="daemon_status"):
     engine_lease_s: float = 0.0
     journal_problem: str = ""
     """Why the launch journal cannot be written (new work is refused); empty when it can."""
+    cpus: list[int] = []
+    """The CPUs kvd may run on (its affinity), in order."""
+    dedicated_cpus: bool = False
+    """``dedicated_cpus`` in force: kvd's ZMQ I/O threads run SCHED_BATCH."""
 
 
 class Pong(_Message, tag="pong"):

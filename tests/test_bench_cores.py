@@ -16,12 +16,11 @@ from kvd.bench.cores import (
     Placement,
     PlacementError,
     cpu_seconds,
-    format_cpus,
-    parse_cpus,
     placement,
     read_cpu,
     spawning_on,
 )
+from kvd.cpus import CpuListError, format_cpus, parse_cpus
 from kvd.daemon_process import DaemonProcess
 from tests.daemon_helpers import kvd
 
@@ -40,8 +39,10 @@ def test_cpu_lists_read_as_taskset_writes_them(text: str, cpus: set[int]) -> Non
 
 @pytest.mark.parametrize("text", ["", "a", "1-", "3-1", "-1", "1,,2"])
 def test_what_is_not_a_cpu_list_is_refused(text: str) -> None:
-    with pytest.raises(PlacementError):
+    with pytest.raises(CpuListError):
         parse_cpus(text)
+    with pytest.raises(PlacementError):
+        placement(text, frozenset({0, 1}))
 
 
 def test_auto_gives_the_daemon_the_last_cpu_and_the_bench_the_rest() -> None:

@@ -21,6 +21,7 @@ from kvd.daemon.sockets import (
 )
 from kvd.daemon_process import DaemonProcess
 from kvd.endpoints import Endpoints, default_runtime_dir, read_endpoints
+from tests.daemon_helpers import kvd
 
 
 def test_runtime_dir_defaults() -> None:
@@ -167,7 +168,12 @@ def test_dedicated_cpus_make_zmqs_io_threads_yield_to_the_event_loop(
         wanted = os.SCHED_BATCH if dedicated else os.SCHED_OTHER
         assert policies == [wanted] * len(policies)
         with daemon.client() as client:
-            client.ping()
+            status = client.status()
+        assert (status.cpus, status.dedicated_cpus) == (cpus[-1:], dedicated)
+        shown = kvd("status", "--runtime-dir", str(daemon.runtime_dir)).stdout
+        assert (
+            f"cpus {cpus[-1]}, dedicated" in shown if dedicated else f"cpus {cpus[-1]}\n" in shown
+        )
         if len(cpus) > 1:
             assert "dedicated_cpus is set, but" not in daemon.log_path.read_text()
     finally:

@@ -16,37 +16,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvd.cpus import CpuListError, format_cpus, parse_cpus
+
 
 class PlacementError(ValueError):
-    """A CPU list that cannot be used here; the message names the CPUs and why."""
-
-
-def parse_cpus(text: str) -> frozenset[int]:
-    """A CPU list as ``taskset -c`` writes it: ``1``, ``2-3``, ``0,2-3``."""
-    cpus: set[int] = set()
-    for part in text.split(","):
-        low, dash, high = part.strip().partition("-")
-        try:
-            first = int(low)
-            last = int(high) if dash else first
-        except ValueError:
-            raise PlacementError(f"{text!r} is not a CPU list such as 1, 2-3 or 0,2-3") from None
-        if not 0 <= first <= last:
-            raise PlacementError(f"{part.strip()!r} is not a CPU range")
-        cpus.update(range(first, last + 1))
-    return frozenset(cpus)
-
-
-def format_cpus(cpus: frozenset[int]) -> str:
-    """``parse_cpus``' form: ``0,2-3``."""
-    ordered, parts = sorted(cpus), []
-    start = prev = ordered[0]
-    for cpu in [*ordered[1:], -1]:
-        if cpu != prev + 1:
-            parts.append(f"{start}" if start == prev else f"{start}-{prev}")
-            start = cpu
-        prev = cpu
-    return ",".join(parts)
+    """CPUs that cannot be used here; the message names them and why."""
 
 
 @dataclass(frozen=True)
@@ -65,7 +39,10 @@ def placement(spec: str, allowed: frozenset[int] | None = None) -> Placement:
     allowed = allowed if allowed is not None else frozenset(os.sched_getaffinity(0))
     if spec == "none" or (spec == "auto" and len(allowed) < 2):
         return Placement()
-    daemon = frozenset({max(allowed)}) if spec == "auto" else parse_cpus(spec)
+    try:
+        daemon = frozenset({max(allowed)}) if spec == "auto" else parse_cpus(spec)
+    except CpuListError as exc:
+        raise PlacementError(str(exc)) from None
     if not daemon <= allowed:
         raise PlacementError(
             f"CPU {format_cpus(daemon - allowed)} is not one this process may run on "

@@ -36,13 +36,13 @@ from kvd.bench.cores import (
     Placement,
     PlacementError,
     cpu_seconds,
-    format_cpus,
     io_threads_batch,
     placement,
     read_cpu,
     spawning_on,
 )
 from kvd.client import Client, read_done_message
+from kvd.cpus import format_cpus
 from kvd.daemon_process import DaemonProcess
 from kvd.progress import progress_bar
 from kvd.protocol import Layout

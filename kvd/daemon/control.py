@@ -81,8 +81,12 @@ class Control:
         pipeline: Pipeline,
         metrics: Metrics,
         config: Config,
+        *,
+        dedicated_cpus: bool = False,
     ) -> None:
         self._sock = sock
+        self._dedicated_cpus = dedicated_cpus
+        """Whether ``config.dedicated_cpus`` took effect (it is skipped where refused)."""
         self._registry = registry
         self._pipeline = pipeline
         self._metrics = metrics
@@ -436,6 +440,8 @@ class Control:
             max_batch_blocks=self._pipeline.batcher.max_blocks,
             batch_window_auto=self._pipeline.batcher.auto is not None,
             engine_lease_s=self.leases.lease_s,
+            cpus=sorted(os.sched_getaffinity(0)),
+            dedicated_cpus=self._dedicated_cpus,
             in_flight=len(ledger),
             caches=[
                 CacheInfo(

@@ -28,6 +28,7 @@ from pathlib import Path
 import zmq
 
 from kvd import __version__
+from kvd.cpus import format_cpus
 from kvd.daemon import health
 from kvd.daemon.config import Config
 from kvd.daemon.control import Control
@@ -146,6 +147,7 @@ class Server:
         self._pipeline: Pipeline | None = None
         self._registry: Registry | None = None
         self._control: Control | None = None
+        self._dedicated_cpus = False
         self._ingest_reader: SocketReader | None = None
         self._replay: ReplayServer | None = None
         self._connections: ConnectionGuard | None = None
@@ -197,13 +199,12 @@ class Server:
             for name in ("control", "ingest", "events", "replay")
         }
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        if config.dedicated_cpus and yield_io_threads(ctx):
-            cpus = os.sched_getaffinity(0)
-            if len(cpus) == os.cpu_count():
-                log.warning(
-                    "dedicated_cpus is set, but kvd may run on every CPU of this machine: "
-                    "give it CPUs of its own (systemd CPUAffinity=, taskset), or unset it"
-                )
+        self._dedicated_cpus = config.dedicated_cpus and yield_io_threads(ctx)
+        if self._dedicated_cpus and len(os.sched_getaffinity(0)) == os.cpu_count():
+            log.warning(
+                "dedicated_cpus is set, but kvd may run on every CPU of this machine: "
+                "give it CPUs of its own (systemd CPUAffinity=, taskset), or unset it"
+            )
         self._ctx = ctx
         ingest = self._socket(zmq.PULL)
         # A hard ceiling well above the limit we report on, so oversized frames still get a
@@ -283,7 +284,9 @@ class Server:
                 "Failed(interrupted)",
                 interrupted,
             )
-        self._control = Control(control, registry, pipeline, self.metrics, config)
+        self._control = Control(
+            control, registry, pipeline, self.metrics, config, dedicated_cpus=self._dedicated_cpus
+        )
         self.metrics.gauge(
             "kvd_in_flight_requests",
             "Requests accepted and not yet answered.",
@@ -340,11 +343,13 @@ class Server:
         for sig in _HANDLED_SIGNALS:
             loop.add_signal_handler(sig, self.handle_exit, sig)
         log.info(
-            "kvd %s serving on %s (device %s, batch window %s us, max %d blocks per batch, "
-            "engine lease %gs); control %s, ingest %s, events %s, replay %s",
+            "kvd %s serving on %s (device %s, cpus %s%s, batch window %s us, max %d blocks per "
+            "batch, engine lease %gs); control %s, ingest %s, events %s, replay %s",
             __version__,
             runtime_dir,
             device,
+            format_cpus(os.sched_getaffinity(0)),
+            " dedicated" if self._dedicated_cpus else "",
             config.batch_window_us,
             config.max_batch_blocks,
             config.engine_lease_s,
