@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from kvd.bench.cores import io_thread_policies, spawning_on
+from kvd.bench.cores import spawning_on
 from kvd.daemon.sockets import (
     EndpointError,
     RuntimeLock,
@@ -146,6 +146,15 @@ async def test_poke_reads_a_message_whose_edge_a_send_consumed(pair: MakePair) -
         assert dealer.recv() == b"reply"
     finally:
         reader.close()
+
+
+def io_thread_policies(pid: int) -> list[int]:
+    """The scheduling policy of each ZMQ I/O thread of process ``pid`` (``os.SCHED_*``)."""
+    return [
+        os.sched_getscheduler(int(task.name))
+        for task in Path(f"/proc/{pid}/task").iterdir()
+        if (task / "comm").read_text().startswith("ZMQbg/IO")
+    ]
 
 
 @pytest.mark.parametrize("dedicated", [True, False])

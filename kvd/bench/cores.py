@@ -102,19 +102,3 @@ def cpu_seconds(before: CpuReading, after: CpuReading) -> float:
     if before.threads_ns and before.threads_ns.keys() <= after.threads_ns.keys():
         return (sum(after.threads_ns.values()) - sum(before.threads_ns.values())) / 1e9
     return after.ticks_s - before.ticks_s
-
-
-def io_thread_policies(pid: int) -> list[int]:
-    """The scheduling policy of each ZMQ I/O thread of process ``pid`` (``os.SCHED_*``)."""
-    return [
-        os.sched_getscheduler(int(task.name))
-        for task in Path(f"/proc/{pid}/task").iterdir()
-        if (task / "comm").read_text().startswith("ZMQbg/IO")
-    ]
-
-
-def io_threads_batch(pid: int) -> bool:
-    """Whether the ZMQ I/O threads of process ``pid`` run SCHED_BATCH (kvd's
-    ``dedicated_cpus``); False where it has none."""
-    policies = io_thread_policies(pid)
-    return bool(policies) and all(p == os.SCHED_BATCH for p in policies)

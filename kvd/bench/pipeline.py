@@ -36,7 +36,6 @@ from kvd.bench.cores import (
     Placement,
     PlacementError,
     cpu_seconds,
-    io_threads_batch,
     placement,
     read_cpu,
     spawning_on,
@@ -587,9 +586,9 @@ def run(args: argparse.Namespace) -> int:
         client.attach(CACHE_ID, cache.specs)
         status = client.status()
         window = "auto" if status.batch_window_auto else status.batch_window_us
-        assert daemon.proc is not None
-        io_batch = io_threads_batch(daemon.proc.pid)
+        io_batch = status.dedicated_cpus
         endpoints = daemon.endpoints()
+        assert daemon.proc is not None
         targets["kvd"] = Target(ctx, endpoints.ingest, endpoints.events, pid=daemon.proc.pid)
         makers = {name: _messages(name, args.blocks, args.transform, windows) for name in targets}
         for name, target in targets.items():
