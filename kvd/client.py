@@ -21,6 +21,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from kvd.cpus import format_cpus, refused_on_a_thread
 from kvd.endpoints import (
     Endpoints,
     KvdUnavailable,
@@ -203,6 +204,24 @@ class _KnownCaches:
             )
 
 
+_ZMQ_CPUS = 1024
+"""libzmq's CPU sets (``cpu_set_t``) hold CPUs 0 to 1023."""
+
+
+def _place_io_thread(ctx: zmq.Context[zmq.Socket[bytes]], cpus: frozenset[int]) -> None:
+    """Before ``ctx``'s first socket, which starts its I/O thread."""
+    why = None
+    if cpus and max(cpus) >= _ZMQ_CPUS:
+        why = f"libzmq places threads on CPUs below {_ZMQ_CPUS} only"
+    elif refused := refused_on_a_thread(lambda: os.sched_setaffinity(0, cpus)):
+        why = str(refused.strerror)
+    if why is not None:
+        ctx.term()
+        raise ValueError(f"io_cpus: this process may not run on CPUs {format_cpus(cpus)}: {why}")
+    for cpu in sorted(cpus):
+        ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, cpu)
+
+
 class Client:
     """Synchronous client; one per thread (ZMQ sockets are not thread-safe)."""
 
@@ -213,7 +232,11 @@ class Client:
         gpu: str = "0",
         endpoints: Endpoints | None = None,
         timeout: float | None = None,
+        io_cpus: frozenset[int] | None = None,
     ) -> None:
+        """``io_cpus``: the CPUs ZMQ's I/O thread, which moves this client's messages, runs on;
+        by default the CPUs of the thread that makes the client's first socket. ``ValueError``
+        when this process may not run there."""
         self._locator = _Locator(runtime_dir, gpu, endpoints)
         self.runtime_dir = self._locator.runtime_dir
         self.endpoints = self._locator.endpoints()
@@ -222,6 +245,8 @@ class Client:
         self._attach_timeout = ATTACH_TIMEOUT_S if timeout is None else None
         """An Attach's, when ``timeout`` was not given; else an Attach waits ``timeout`` too."""
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        if io_cpus is not None:
+            _place_io_thread(self._ctx, io_cpus)
         self._control: zmq.Socket[bytes] | None = None
         self._push: zmq.Socket[bytes] | None = None
         self._caches = _KnownCaches()
@@ -410,7 +435,11 @@ class AsyncClient:
         gpu: str = "0",
         endpoints: Endpoints | None = None,
         timeout: float | None = None,
+        io_cpus: frozenset[int] | None = None,
     ) -> None:
+        """``io_cpus``: the CPUs ZMQ's I/O thread, which moves this client's messages, runs on;
+        by default the CPUs of the thread that makes the client's first socket. ``ValueError``
+        when this process may not run there."""
         self._locator = _Locator(runtime_dir, gpu, endpoints)
         self.runtime_dir = self._locator.runtime_dir
         self.endpoints = self._locator.endpoints()

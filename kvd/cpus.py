@@ -1,6 +1,10 @@
-"""CPU lists as ``taskset -c`` and systemd's ``CPUAffinity=`` write them: ``0,2-3``."""
+"""CPU lists as ``taskset -c`` and systemd's ``CPUAffinity=`` write them: ``0,2-3``; and
+trying what libzmq would do to its own threads on a thread of ours first."""
 
 from __future__ import annotations
+
+import threading
+from collections.abc import Callable
 
 
 class CpuListError(ValueError):
@@ -35,3 +39,24 @@ def format_cpus(cpus: frozenset[int] | set[int] | list[int]) -> str:
             start = cpu
         prev = cpu
     return ",".join(parts)
+
+
+def refused_on_a_thread(action: Callable[[], None]) -> OSError | None:
+    """Run ``action`` on a new thread of this process; the ``OSError`` it raised, else None.
+
+    libzmq sets the scheduling policy and the CPUs of its I/O threads itself, and aborts the
+    process when the kernel refuses (a cpuset without those CPUs, a seccomp filter): try the same
+    call here first, where a refusal is only an error.
+    """
+    refused: list[OSError] = []
+
+    def attempt() -> None:
+        try:
+            action()
+        except OSError as exc:
+            refused.append(exc)
+
+    trial = threading.Thread(target=attempt, name="kvd-trial")
+    trial.start()
+    trial.join()
+    return refused[0] if refused else None

@@ -8,15 +8,27 @@ and pops the link's deque; these tests drive the link the way the connector's st
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from kvd.client import Client, ShmCache, read_done_message
+from kvd.cpus import CpuListError
 from kvd.daemon_process import DaemonProcess
 from kvd.protocol import Ready
-from kvd.vllm.link import Attachment, GiveUp, KvdLink, Notice, Resend, State
+from kvd.vllm.link import (
+    Attachment,
+    GiveUp,
+    KvdLink,
+    Notice,
+    Resend,
+    State,
+    io_thread_cpus,
+    parse_io_cpus,
+)
 from kvd.vllm.stats import HandoffStats
 
 _ids = itertools.count()
@@ -128,3 +140,62 @@ def test_stats_stay_bounded_however_long_the_run(cache: ShmCache) -> None:
     assert len(report["handoff"]["recent_s"]) <= 10_000
     assert len(report["ready_latency"]["recent_s"]) <= 10_000
     assert report["steps_to_release"] == {"1": 30_000}
+
+
+def zmq_io_threads() -> dict[int, str]:
+    """This process's ZMQ I/O threads: thread id -> the CPUs it may run on."""
+    threads = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            if (task / "comm").read_text().startswith("ZMQbg/IO"):
+                status = (task / "status").read_text()
+                threads[int(task.name)] = status.split("Cpus_allowed_list:")[1].split()[0]
+        except OSError:
+            pass  # the thread ended
+    return threads
+
+
+def test_a_client_runs_its_io_thread_on_the_cpus_it_is_given() -> None:
+    cpu = max(os.sched_getaffinity(0))
+    before = zmq_io_threads()
+    with DaemonProcess() as daemon, Client(daemon.runtime_dir, io_cpus=frozenset({cpu})) as client:
+        client.ping()
+        started = {t: cpus for t, cpus in zmq_io_threads().items() if t not in before}
+    assert list(started.values()) == [str(cpu)]
+
+
+@pytest.mark.parametrize("cpus", [{1000}, {1024}, set()])
+def test_cpus_this_process_may_not_use_are_an_error_not_an_abort(cpus: set[int]) -> None:
+    """libzmq aborts the process at the client's first socket when it cannot place its thread
+    there (CPU 1000, on a machine without it), or places it anywhere (no CPUs)."""
+    if cpus & os.sched_getaffinity(0):
+        pytest.skip(f"this machine has CPU {cpus}")
+    with pytest.raises(ValueError, match="io_cpus: this process may not run on CPUs"):
+        Client("/nonexistent", io_cpus=frozenset(cpus))
+
+
+ENGINE = frozenset({1})
+
+
+@pytest.mark.parametrize(
+    ("setting", "kvd_cpus", "placed", "note"),
+    [
+        ("kvd", [0], {0}, "on kvd's CPUs 0, apart from the engine thread's"),
+        ("kvd", [0, 1], None, "kvd's (0-1) are not apart from them (1)"),
+        ("kvd", [], None, "this kvd does not say which CPUs it runs on"),
+        ("engine", [0], None, "kvd_io_cpus = engine"),
+        ("2-3", [0], {2, 3}, "on CPUs 2-3 (kvd_io_cpus)"),
+    ],
+)
+def test_the_io_thread_goes_to_kvds_cpus_only_when_they_are_apart_from_the_engines(
+    setting: str, kvd_cpus: list[int], placed: set[int] | None, note: str
+) -> None:
+    cpus, why = io_thread_cpus(parse_io_cpus(setting), kvd_cpus, ENGINE)
+    assert cpus == (frozenset(placed) if placed is not None else None)
+    assert note in why
+
+
+@pytest.mark.parametrize("setting", ["", "seven", "3-1", "kvd,0"])
+def test_a_bad_kvd_io_cpus_is_refused_naming_it(setting: str) -> None:
+    with pytest.raises(CpuListError, match=r"kvd_io_cpus: .*; or kvd, or engine"):
+        parse_io_cpus(setting)

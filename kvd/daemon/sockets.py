@@ -21,7 +21,6 @@ import secrets
 import socket
 import stat
 import struct
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from typing import Any
 
 import zmq
 
+from kvd.cpus import refused_on_a_thread
 from kvd.daemon.logs import RateLimitedLog
 from kvd.daemon.metrics import Counter
 from kvd.endpoints import ENDPOINT_NAMES, ENDPOINTS_FILE, LOCK_FILE, Endpoints
@@ -421,22 +421,14 @@ def yield_io_threads(ctx: zmq.Context[zmq.Socket[bytes]]) -> bool:
     False, with a warning, where this process may not take that policy (a seccomp filter):
     libzmq aborts the process when its thread cannot, so it is tried on a thread of ours first.
     """
-    refused: list[OSError] = []
-
-    def attempt() -> None:
-        try:
-            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
-        except OSError as exc:
-            refused.append(exc)
-
-    trial = threading.Thread(target=attempt, name="kvd-sched-trial")
-    trial.start()
-    trial.join()
-    if refused:
+    refused = refused_on_a_thread(
+        lambda: os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    )
+    if refused is not None:
         log.warning(
             "dedicated_cpus: cannot make ZMQ's I/O threads SCHED_BATCH (%s); they keep the "
             "default policy",
-            refused[0].strerror,
+            refused.strerror,
         )
         return False
     ctx.set(zmq.THREAD_SCHED_POLICY, os.SCHED_BATCH)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import re
 import time
 from typing import Any
@@ -49,6 +50,7 @@ from kvd.client import (
     read_done_message,
     resolve_runtime_dir,
 )
+from kvd.cpus import CpuListError
 from kvd.dtypes import dtype_name
 from kvd.protocol import CACHE_ID_MAX, Event, MemoryRef, ShmRef, TensorSpec
 from kvd.vllm.formats import UnknownFormat, page_format, remote_page_format
@@ -61,7 +63,16 @@ from kvd.vllm.hooks import (
     resolve_nixl,
     version_note,
 )
-from kvd.vllm.link import Attachment, GiveUp, KvdLink, Resend, State
+from kvd.vllm.link import (
+    IO_CPUS_DEFAULT,
+    Attachment,
+    GiveUp,
+    KvdLink,
+    Resend,
+    State,
+    io_thread_cpus,
+    parse_io_cpus,
+)
 from kvd.vllm.shm import ShmAllocation
 from kvd.vllm.split import SplitError, plan_split_read, split_remote_pages
 from kvd.vllm.stats import HandoffStats
@@ -116,7 +127,12 @@ class KvdWorker(NixlPullConnectorWorker):
                 f"{len(kv_cache_config.kv_cache_groups)} (a hybrid model)"
             )
         self.cache_id = _CACHE_ID.sub("-", f"vllm.{engine_id}.{self.tp_rank}")[:CACHE_ID_MAX]
-        self.kvd = Client(self.kvd_dir, timeout=float(extra.get("kvd_timeout_s", 2.0)))
+        self._timeout_s = float(extra.get("kvd_timeout_s", 2.0))
+        self.kvd = Client(self.kvd_dir, timeout=self._timeout_s)
+        try:
+            self._io_cpus = parse_io_cpus(str(extra.get("kvd_io_cpus", IO_CPUS_DEFAULT)))
+        except CpuListError as exc:
+            raise KvdConnectorError(str(exc)) from None
         self._attach_timeout_s = float(extra.get("kvd_attach_timeout_s", 120.0))
         self._link: KvdLink | None = None
         self._local_format = ""
@@ -146,13 +162,14 @@ class KvdWorker(NixlPullConnectorWorker):
         """Attach the caches to kvd with their page format, then let NIXL register them."""
         self._local_format = self._page_format()
         try:
-            self.kvd.ping()
+            kvd_cpus = self.kvd.status().cpus
         except (KvdTimeout, KvdUnavailable, KvdError) as exc:
             raise KvdConnectorError(
                 f"kvd is not reachable at {self.kvd_dir} ({exc}): start kvd first (systemd: "
                 "After=/Requires= on kvd@N.service), or set kv_connector_extra_config "
                 "kvd_runtime_dir / KVD_RUNTIME_DIR"
             ) from exc
+        io_cpus_note = self._place_io_thread(kvd_cpus)
         specs = self._tensor_specs(kv_caches)
         attachment = Attachment(self.cache_id, specs, self.engine_id, self._attach_timeout_s)
         self._link = KvdLink(
@@ -166,12 +183,31 @@ class KvdWorker(NixlPullConnectorWorker):
         super().register_kv_caches(kv_caches)
         log.info(
             "kvd post-processes this worker's received blocks: cache %r, %s pages, %d tensors, "
-            "kvd at %s",
+            "kvd at %s; ZMQ's I/O thread %s",
             self.cache_id,
             self._local_format,
             len(specs),
             self.kvd_dir,
+            io_cpus_note,
         )
+
+    def _place_io_thread(self, kvd_cpus: list[int]) -> str:
+        """A new client whose ZMQ I/O thread runs where ``kvd_io_cpus`` says (the first one's
+        started on the engine thread's CPUs); what was done, for the startup log."""
+        engine_cpus = frozenset(os.sched_getaffinity(0))
+        io_cpus, note = io_thread_cpus(self._io_cpus, kvd_cpus, engine_cpus)
+        if io_cpus is None:
+            return note
+        try:
+            client = Client(self.kvd_dir, timeout=self._timeout_s, io_cpus=io_cpus)
+        except ValueError as exc:
+            why = str(exc).removeprefix("io_cpus: ")
+            if isinstance(self._io_cpus, frozenset):
+                raise KvdConnectorError(f"kvd_io_cpus: {why}") from None
+            return f"on the engine thread's CPUs: {why}"
+        self.kvd.close()
+        self.kvd = client
+        return note
 
     def _page_format(self) -> str:
         cache_dtype = str(self.vllm_config.cache_config.cache_dtype)

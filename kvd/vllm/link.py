@@ -16,6 +16,11 @@ file. The thread tells the engine's thread what to do through the same deque:
 
 ``state`` says whether a ReadDone may be sent now (``UP``), must wait for kvd (``DOWN``), or is
 failed at once (``GONE``).
+
+ZMQ's I/O thread, which each send wakes, runs on kvd's CPUs when kvd has CPUs of its own, apart
+from the engine thread's (``io_thread_cpus``): on the engine's core, each hand-off made it preempt
+the engine there. The link's thread stays with the engine: it takes the GIL for every event, and
+from another core each of those hand-overs cost the engine more than the wake-up saved.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from typing import Any
 import zmq
 
 from kvd.client import Client, EventsLost, KvdError, KvdTimeout, KvdUnavailable, Subscription
+from kvd.cpus import CpuListError, format_cpus, parse_cpus
 from kvd.endpoints import daemon_alive
 from kvd.protocol import Event, TensorSpec
 from kvd.subscription import ReplayError
@@ -46,6 +52,42 @@ CHECK_S = 1.0
 """Silence after which the link asks whether kvd still runs (file reads, off the engine)."""
 STATS_EVERY_S = 0.1
 """How often, at most, the stats file is rewritten while requests flow."""
+
+
+IO_CPUS_DEFAULT = "kvd"
+"""``kvd_io_cpus``: ``kvd`` (kvd's CPUs, when apart from the engine thread's), ``engine`` (the
+engine thread's), or a CPU list such as ``7`` or ``6-7``."""
+
+
+def parse_io_cpus(setting: str) -> str | frozenset[int]:
+    """``kvd_io_cpus`` as given: ``kvd``, ``engine`` or CPUs; ``CpuListError`` naming it."""
+    if setting in ("kvd", "engine"):
+        return setting
+    try:
+        return parse_cpus(setting)
+    except CpuListError as exc:
+        raise CpuListError(f"kvd_io_cpus: {exc}; or kvd, or engine") from None
+
+
+def io_thread_cpus(
+    setting: str | frozenset[int], kvd_cpus: list[int], engine_cpus: frozenset[int]
+) -> tuple[frozenset[int] | None, str]:
+    """Where the link's ZMQ I/O thread runs (None: the engine thread's CPUs, which it inherits),
+    and why, for the startup log. ``kvd_cpus``: from kvd's Status (empty from a kvd too old to
+    say); ``engine_cpus``: the engine thread's."""
+    if setting == "engine":
+        return None, "on the engine thread's CPUs (kvd_io_cpus = engine)"
+    if isinstance(setting, frozenset):
+        return setting, f"on CPUs {format_cpus(setting)} (kvd_io_cpus)"
+    if not kvd_cpus:
+        return None, "on the engine thread's CPUs: this kvd does not say which CPUs it runs on"
+    cpus = frozenset(kvd_cpus)
+    if cpus & engine_cpus:
+        return None, (
+            f"on the engine thread's CPUs: kvd's ({format_cpus(cpus)}) are not apart from "
+            f"them ({format_cpus(engine_cpus)})"
+        )
+    return cpus, f"on kvd's CPUs {format_cpus(cpus)}, apart from the engine thread's"
 
 
 class State(enum.Enum):
