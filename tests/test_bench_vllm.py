@@ -112,9 +112,12 @@ def test_targets_are_met_or_missed_as_issue_19_states_them() -> None:
         ("arrival_prompt_tokens", 1010, "--arrival-prompt-tokens 1010 + --arrival-tokens 16"),
         ("decode_block_size", 48, "--decode-block-size: 48 is not a multiple of"),
         ("arrivals", 901, "--arrival-prompt-tokens: 900 is below --arrivals 901"),
+        ("kvd_io_cpus", "cpu7", "--kvd-io-cpus: 'cpu7' is not a CPU list"),
     ],
 )
-def test_bad_sizes_are_refused_naming_the_option(option: str, value: int, reason: str) -> None:
+def test_bad_sizes_are_refused_naming_the_option(
+    option: str, value: int | str, reason: str
+) -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args([f"--{option.replace('_', '-')}", str(value)])

@@ -18,6 +18,7 @@ import itertools
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -32,12 +33,15 @@ from kvd.bench.cores import spawning_on
 from kvd.bench.stalls import StallWatch
 from kvd.bench.vllm_engine import MAX_MODEL_LEN, STARTUP_S, make_model, prompts
 from kvd.bench.vllm_report import mode_report, mode_table
+from kvd.cpus import CpuListError
 from kvd.daemon_process import DaemonProcess
 from kvd.progress import progress_bar
+from kvd.vllm.link import IO_CPUS_DEFAULT, parse_io_cpus
 
 KVD_CORE = 0
 """Three processes share two cores here: kvd gets core 0 with the prefill, which sleeps while
 the decode instance runs (requests go one at a time), the decode instance core 1."""
+DECODE_CORE = 1
 _ALL_CORES = frozenset(os.sched_getaffinity(0))
 _ids = itertools.count()
 
@@ -75,7 +79,7 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def _pinned_daemon(core: int) -> Iterator[DaemonProcess]:
+def pinned_daemon(core: int) -> Iterator[DaemonProcess]:
     """``kvd serve`` on ``core``: it inherits this process's affinity while it starts."""
     daemon = DaemonProcess()
     with spawning_on(frozenset({core} & _ALL_CORES or _ALL_CORES)):
@@ -220,7 +224,7 @@ def run_decode(
             "max_tokens": 16,
             **config,
         }
-        engine = Engine(work, "decode", full, core=1)
+        engine = Engine(work, "decode", full, core=DECODE_CORE)
         engine.wait()
         result: dict[str, Any] = json.loads(out.read_text())
         result["log"] = engine.tail(200)
@@ -290,6 +294,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--arrival-tokens", type=int, default=16, help="load: tokens each arrival decodes (16)"
     )
+    parser.add_argument(
+        "--kvd-io-cpus",
+        default=IO_CPUS_DEFAULT,
+        help="the kvd connector's kvd_io_cpus: kvd (default: its ZMQ I/O thread on kvd's CPU, "
+        "apart from the decode's), engine (on the decode engine's CPU), or a CPU list",
+    )
 
 
 HELP = """\
@@ -348,6 +358,10 @@ SIZES = (
 
 def check_arguments(args: argparse.Namespace) -> str | None:
     """Why ``args`` cannot run, naming the option; None when they can."""
+    try:
+        parse_io_cpus(args.kvd_io_cpus)
+    except CpuListError as exc:
+        return f"--{exc}".replace("kvd_io_cpus", "kvd-io-cpus", 1)
     for name in SIZES:
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')}: {getattr(args, name)} is not a positive integer"
@@ -418,7 +432,7 @@ def run(args: argparse.Namespace) -> int:
     ):
         work = Path(tmp)
         model = make_model(work / "model")
-        with _pinned_daemon(KVD_CORE) as kvd:
+        with pinned_daemon(KVD_CORE) as kvd:
             prefill = Prefill(work, model, "NixlConnector", None, args.prefill_block_size)
             try:
                 prefill.wait_ready()
@@ -454,7 +468,10 @@ def run(args: argparse.Namespace) -> int:
                         args.decode_block_size,
                         connector=connector,
                         module="kvd.bench.vllm_connectors",
-                        extra={"kvd_runtime_dir": str(kvd.runtime_dir)},
+                        extra={
+                            "kvd_runtime_dir": str(kvd.runtime_dir),
+                            "kvd_io_cpus": args.kvd_io_cpus,
+                        },
                         modes=modes,
                         timed=True,
                         max_tokens=args.max_tokens,
@@ -467,8 +484,9 @@ def run(args: argparse.Namespace) -> int:
                     bar.update()
             finally:
                 prefill.kill()
-        report = {
+        report: dict[str, Any] = {
             "config": {"mode": args.mode, **{name: getattr(args, name) for name in SIZES}},
+            "kvd_io_thread": io_thread_note(runs["kvd"]["log_file"]),
             **{
                 mode: mode_report(mode, runs, equal_to_baseline(mode, runs, baseline[mode]))
                 for mode in modes
@@ -482,6 +500,12 @@ def run(args: argparse.Namespace) -> int:
     if mismatched:
         print("kvd bench vllm: kvd decoded other tokens than the single instance", file=sys.stderr)
     return 1 if mismatched else 0
+
+
+def io_thread_note(log_file: str) -> str:
+    """Where the kvd connector's ZMQ I/O thread ran, as its startup line says."""
+    found = re.search(r"ZMQ's I/O thread (.+)", Path(log_file).read_text(errors="replace"))
+    return found[1].strip() if found else "(the decode's log does not say)"
 
 
 def equal_to_baseline(
@@ -517,7 +541,9 @@ def table(report: dict[str, Any], modes: list[str]) -> str:
     }
     lines = [
         f"kvd bench vllm: prefill {config['prefill_block_size']} -> decode "
-        f"{config['decode_block_size']} tokens per block"
+        f"{config['decode_block_size']} tokens per block; kvd on CPU {KVD_CORE}, each decode "
+        f"instance on CPU {DECODE_CORE}",
+        f"kvd's connector: ZMQ's I/O thread {report['kvd_io_thread']}",
     ]
     for mode in modes:
         lines += ["", f"{mode}: {titles[mode]}", *mode_table(mode, report[mode])]

@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm is not installed (pip install -e '.[vllm]')")
 
-from kvd.bench.vllm import Prefill, equal_to_baseline, run_decode
+from kvd.bench.vllm import KVD_CORE, Prefill, equal_to_baseline, pinned_daemon, run_decode
 from kvd.bench.vllm_engine import make_model, prompts
 from kvd.bench.vllm_report import mode_report
 from kvd.client import Client
@@ -196,11 +196,13 @@ def test_a_kvd_gone_for_the_down_timeout_fails_what_is_held(setup: Setup, short_
 
 
 def test_under_load_both_connectors_are_timed_and_kvd_decodes_the_single_instance(
-    setup: Setup, kvd: DaemonProcess
+    setup: Setup,
 ) -> None:
     """``kvd bench vllm``'s load run, small: 2 requests decode while 2 more of 200 tokens
     arrive, 32 -> 128 (kvd merges the pages). kvd's tokens equal a single instance's; stock's
-    are not checked (its CPU merge is wrong); every figure of the report is there."""
+    are not checked (its CPU merge is wrong); every figure of the report is there. kvd runs
+    where the bench runs it, on a core apart from the decode engine's: the connector's ZMQ I/O
+    thread joins it there."""
     load = {
         "running": prompts((60, 59), seed=1),
         "running_tokens": 8,
@@ -210,19 +212,22 @@ def test_under_load_both_connectors_are_timed_and_kvd_decodes_the_single_instanc
     baseline = setup.prefills["stock"].call(
         {"op": "baseline", "prompts": [*load["running"], *load["arrivals"]], "max_tokens": 8}
     )
-    runs = {
-        name: setup.decode(
-            "stock",
-            128,
-            connector=connector,
-            module="kvd.bench.vllm_connectors",
-            extra={"kvd_runtime_dir": str(kvd.runtime_dir)},
-            modes=["load"],
-            load=load,
-            timed=True,
-        )
-        for name, connector in (("stock", "TimedNixlConnector"), ("kvd", "TimedKvdConnector"))
-    }
+    with pinned_daemon(KVD_CORE) as kvd:
+        runs = {
+            name: setup.decode(
+                "stock",
+                128,
+                connector=connector,
+                module="kvd.bench.vllm_connectors",
+                extra={"kvd_runtime_dir": str(kvd.runtime_dir)},
+                modes=["load"],
+                load=load,
+                timed=True,
+            )
+            for name, connector in (("stock", "TimedNixlConnector"), ("kvd", "TimedKvdConnector"))
+        }
+    log = Path(runs["kvd"]["log_file"]).read_text()
+    assert f"ZMQ's I/O thread on kvd's CPUs {KVD_CORE}, apart" in log, runs["kvd"]["log"]
     requests = runs["kvd"]["load"]["requests"].values()
     assert sorted(len(r["token_ids"]) for r in requests) == [4, 4, 8, 8]
     equal = equal_to_baseline("load", runs, baseline)
