@@ -180,11 +180,11 @@ ENGINE = frozenset({1})
 @pytest.mark.parametrize(
     ("setting", "kvd_cpus", "placed", "note"),
     [
-        ("kvd", [0], {0}, "on kvd's CPUs 0, apart from the engine thread's"),
-        ("kvd", [0, 1], None, "kvd's (0-1) are not apart from them (1)"),
-        ("kvd", [], None, "this kvd does not say which CPUs it runs on"),
-        ("engine", [0], None, "kvd_io_cpus = engine"),
-        ("2-3", [0], {2, 3}, "on CPUs 2-3 (kvd_io_cpus)"),
+        ("kvd", [0], {0}, "on kvd's CPUs 0, apart from the engine thread's (1)"),
+        ("kvd", [0, 1], None, "on the engine thread's CPUs 1: kvd's (0-1) are not apart"),
+        ("kvd", [], None, "CPUs 1: this kvd does not say which CPUs it runs on"),
+        ("engine", [0], None, "on the engine thread's CPUs 1 (kvd_io_cpus = engine)"),
+        ("2-3", [0], {2, 3}, "on CPUs 2-3 (kvd_io_cpus), the engine thread on 1"),
     ],
 )
 def test_the_io_thread_goes_to_kvds_cpus_only_when_they_are_apart_from_the_engines(

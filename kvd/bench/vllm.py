@@ -39,9 +39,9 @@ from kvd.progress import progress_bar
 from kvd.vllm.link import IO_CPUS_DEFAULT, parse_io_cpus
 
 KVD_CORE = 0
-"""Three processes share two cores here: kvd gets core 0 with the prefill, which sleeps while
-the decode instance runs (requests go one at a time), the decode instance core 1."""
-DECODE_CORE = 1
+"""Three processes share two cores here. kvd gets core 0. vLLM's NIXL worker binds the engine
+thread of every instance, the prefill's too, to the last core of its NUMA node (core 1 here):
+the prefill idles there while a decode instance runs (its requests are prefilled first)."""
 _ALL_CORES = frozenset(os.sched_getaffinity(0))
 _ids = itertools.count()
 
@@ -224,7 +224,7 @@ def run_decode(
             "max_tokens": 16,
             **config,
         }
-        engine = Engine(work, "decode", full, core=DECODE_CORE)
+        engine = Engine(work, "decode", full, core=1)
         engine.wait()
         result: dict[str, Any] = json.loads(out.read_text())
         result["log"] = engine.tail(200)
@@ -541,8 +541,7 @@ def table(report: dict[str, Any], modes: list[str]) -> str:
     }
     lines = [
         f"kvd bench vllm: prefill {config['prefill_block_size']} -> decode "
-        f"{config['decode_block_size']} tokens per block; kvd on CPU {KVD_CORE}, each decode "
-        f"instance on CPU {DECODE_CORE}",
+        f"{config['decode_block_size']} tokens per block; kvd on CPU {KVD_CORE}",
         f"kvd's connector: ZMQ's I/O thread {report['kvd_io_thread']}",
     ]
     for mode in modes:

@@ -50,7 +50,7 @@ from kvd.client import (
     read_done_message,
     resolve_runtime_dir,
 )
-from kvd.cpus import CpuListError
+from kvd.cpus import CpuListError, format_cpus
 from kvd.dtypes import dtype_name
 from kvd.protocol import CACHE_ID_MAX, Event, MemoryRef, ShmRef, TensorSpec
 from kvd.vllm.formats import UnknownFormat, page_format, remote_page_format
@@ -204,7 +204,7 @@ class KvdWorker(NixlPullConnectorWorker):
             why = str(exc).removeprefix("io_cpus: ")
             if isinstance(self._io_cpus, frozenset):
                 raise KvdConnectorError(f"kvd_io_cpus: {why}") from None
-            return f"on the engine thread's CPUs: {why}"
+            return f"on the engine thread's CPUs {format_cpus(engine_cpus)}: {why}"
         self.kvd.close()
         self.kvd = client
         return note

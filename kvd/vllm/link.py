@@ -75,19 +75,23 @@ def io_thread_cpus(
     """Where the link's ZMQ I/O thread runs (None: the engine thread's CPUs, which it inherits),
     and why, for the startup log. ``kvd_cpus``: from kvd's Status (empty from a kvd too old to
     say); ``engine_cpus``: the engine thread's."""
+    engine = format_cpus(engine_cpus)
     if setting == "engine":
-        return None, "on the engine thread's CPUs (kvd_io_cpus = engine)"
+        return None, f"on the engine thread's CPUs {engine} (kvd_io_cpus = engine)"
     if isinstance(setting, frozenset):
-        return setting, f"on CPUs {format_cpus(setting)} (kvd_io_cpus)"
+        placed = format_cpus(setting)
+        return setting, f"on CPUs {placed} (kvd_io_cpus), the engine thread on {engine}"
     if not kvd_cpus:
-        return None, "on the engine thread's CPUs: this kvd does not say which CPUs it runs on"
+        return None, (
+            f"on the engine thread's CPUs {engine}: this kvd does not say which CPUs it runs on"
+        )
     cpus = frozenset(kvd_cpus)
     if cpus & engine_cpus:
         return None, (
-            f"on the engine thread's CPUs: kvd's ({format_cpus(cpus)}) are not apart from "
-            f"them ({format_cpus(engine_cpus)})"
+            f"on the engine thread's CPUs {engine}: kvd's ({format_cpus(cpus)}) are not apart "
+            "from them"
         )
-    return cpus, f"on kvd's CPUs {format_cpus(cpus)}, apart from the engine thread's"
+    return cpus, f"on kvd's CPUs {format_cpus(cpus)}, apart from the engine thread's ({engine})"
 
 
 class State(enum.Enum):
