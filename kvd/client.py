@@ -208,7 +208,7 @@ _ZMQ_CPUS = 1024
 """libzmq's CPU sets (``cpu_set_t``) hold CPUs 0 to 1023."""
 
 
-def _place_io_thread(ctx: zmq.Context[zmq.Socket[bytes]], cpus: frozenset[int]) -> None:
+def _place_io_thread(ctx: zmq.Context[Any], cpus: frozenset[int]) -> None:
     """Before ``ctx``'s first socket, which starts its I/O thread."""
     why = None
     if cpus and max(cpus) >= _ZMQ_CPUS:
@@ -448,6 +448,8 @@ class AsyncClient:
         self._attach_timeout = ATTACH_TIMEOUT_S if timeout is None else None
         """An Attach's, when ``timeout`` was not given; else an Attach waits ``timeout`` too."""
         self._ctx = zmq.asyncio.Context()
+        if io_cpus is not None:
+            _place_io_thread(self._ctx, io_cpus)
         self._control: zmq.asyncio.Socket | None = None
         self._push: zmq.asyncio.Socket | None = None
         self._caches = _KnownCaches()

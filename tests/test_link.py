@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvd.client import Client, ShmCache, read_done_message
+from kvd.client import AsyncClient, Client, ShmCache, read_done_message
 from kvd.cpus import CpuListError
 from kvd.daemon_process import DaemonProcess
 from kvd.protocol import Ready
@@ -161,6 +161,19 @@ def test_a_client_runs_its_io_thread_on_the_cpus_it_is_given() -> None:
     with DaemonProcess() as daemon, Client(daemon.runtime_dir, io_cpus=frozenset({cpu})) as client:
         client.ping()
         started = {t: cpus for t, cpus in zmq_io_threads().items() if t not in before}
+    assert list(started.values()) == [str(cpu)]
+
+
+async def test_an_async_client_runs_its_io_thread_on_the_cpus_it_is_given() -> None:
+    cpu = min(os.sched_getaffinity(0))
+    before = zmq_io_threads()
+    with DaemonProcess() as daemon:
+        client = AsyncClient(daemon.runtime_dir, io_cpus=frozenset({cpu}))
+        try:
+            await client.ping()
+            started = {t: cpus for t, cpus in zmq_io_threads().items() if t not in before}
+        finally:
+            client.close()
     assert list(started.values()) == [str(cpu)]
 
 
