@@ -208,6 +208,14 @@ _ZMQ_CPUS = 1024
 """libzmq's CPU sets (``cpu_set_t``) hold CPUs 0 to 1023."""
 
 
+class IoCpusRefused(ValueError):
+    """``io_cpus`` this process may not use; ``reason`` says which and why, without the name."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"io_cpus: {reason}")
+        self.reason = reason
+
+
 def _place_io_thread(ctx: zmq.Context[Any], cpus: frozenset[int]) -> None:
     """Before ``ctx``'s first socket, which starts its I/O thread."""
     why = None
@@ -217,7 +225,7 @@ def _place_io_thread(ctx: zmq.Context[Any], cpus: frozenset[int]) -> None:
         why = str(refused.strerror)
     if why is not None:
         ctx.term()
-        raise ValueError(f"io_cpus: this process may not run on CPUs {format_cpus(cpus)}: {why}")
+        raise IoCpusRefused(f"this process may not run on CPUs {format_cpus(cpus)}: {why}")
     for cpu in sorted(cpus):
         ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, cpu)
 
@@ -235,8 +243,8 @@ class Client:
         io_cpus: frozenset[int] | None = None,
     ) -> None:
         """``io_cpus``: the CPUs ZMQ's I/O thread, which moves this client's messages, runs on;
-        by default the CPUs of the thread that makes the client's first socket. ``ValueError``
-        when this process may not run there."""
+        by default the CPUs of the thread that makes the client's first socket. ``IoCpusRefused``
+        (a ``ValueError``) when this process may not run there."""
         self._locator = _Locator(runtime_dir, gpu, endpoints)
         self.runtime_dir = self._locator.runtime_dir
         self.endpoints = self._locator.endpoints()
@@ -438,8 +446,8 @@ class AsyncClient:
         io_cpus: frozenset[int] | None = None,
     ) -> None:
         """``io_cpus``: the CPUs ZMQ's I/O thread, which moves this client's messages, runs on;
-        by default the CPUs of the thread that makes the client's first socket. ``ValueError``
-        when this process may not run there."""
+        by default the CPUs of the thread that makes the client's first socket. ``IoCpusRefused``
+        (a ``ValueError``) when this process may not run there."""
         self._locator = _Locator(runtime_dir, gpu, endpoints)
         self.runtime_dir = self._locator.runtime_dir
         self.endpoints = self._locator.endpoints()

@@ -44,6 +44,7 @@ import torch
 
 from kvd.client import (
     Client,
+    IoCpusRefused,
     KvdError,
     KvdTimeout,
     KvdUnavailable,
@@ -200,11 +201,10 @@ class KvdWorker(NixlPullConnectorWorker):
             return note
         try:
             client = Client(self.kvd_dir, timeout=self._timeout_s, io_cpus=io_cpus)
-        except ValueError as exc:
-            why = str(exc).removeprefix("io_cpus: ")
+        except IoCpusRefused as exc:
             if isinstance(self._io_cpus, frozenset):
-                raise KvdConnectorError(f"kvd_io_cpus: {why}") from None
-            return f"on the engine thread's CPUs {format_cpus(engine_cpus)}: {why}"
+                raise KvdConnectorError(f"kvd_io_cpus: {exc.reason}") from None
+            return f"on the engine thread's CPUs {format_cpus(engine_cpus)}: {exc.reason}"
         self.kvd.close()
         self.kvd = client
         return note
