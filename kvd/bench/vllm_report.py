@@ -323,3 +323,108 @@ def _cores(worst_s: dict[str, float]) -> str:
 
 def _pair(stock: dict[str, Any], kvd: dict[str, Any], key: str, q: str) -> tuple[float, float]:
     return stock[key][q], kvd[key][q]
+
+
+# -- several runs ---------------------------------------------------------------------------------
+
+RUN_FIGURES: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
+    "load": (
+        ("engine step p50", ("engine_step", "p50")),
+        ("engine step p99", ("engine_step", "p99")),
+        ("inter-token p99, running requests", ("running_inter_token", "p99")),
+        ("TTFT p50, arrivals", ("ttft", "p50")),
+        ("request latency p50, arrivals", ("request_latency", "arrivals_p50")),
+    ),
+    "sequential": (("request latency p50", ("request_latency", "p50")),),
+}
+"""Per mode, the figures a several-run table shows besides the connector's: label, path."""
+
+CONNECTOR_RUN_FIGURES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("get_finished, summed", ("get_finished_sum",)),
+    ("get_finished, worst step", ("get_finished", "max")),
+    ("landed -> released p50", ("landed_to_released", "p50")),
+)
+
+
+def repeated_report(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One mode's reports of several runs, each as ``mode_report`` made it, and the targets
+    judged on the runs' medians: kvd's median figure against the median of the limits each run
+    derived from stock's, with the runs that met each on its own."""
+    medians = []
+    for per_run in zip(*(r["targets"] for r in reports), strict=True):
+        target = Target(
+            per_run[0]["name"],
+            statistics.median(t["kvd"] for t in per_run),
+            statistics.median(t["stock"] for t in per_run),
+            statistics.median(t["limit"] for t in per_run),
+            per_run[0]["strict"],
+        )
+        medians.append(
+            {**asdict(target), "met": target.met, "met_in": sum(t["met"] for t in per_run)}
+        )
+    return {
+        "runs": reports,
+        "targets": medians,
+        "tokens_equal_to_baseline": {
+            name: sum(r["tokens_equal_to_baseline"][name] for r in reports) for name in CONNECTORS
+        },
+        "requests": sum(r["requests"] for r in reports),
+    }
+
+
+def repeated_table(mode: str, report: dict[str, Any]) -> list[str]:
+    """Each run's main figures (stock / kvd, ms) with their medians, then the targets."""
+    reports = report["runs"]
+    header = ("figure (ms), stock / kvd", *(f"run {i}" for i in range(1, len(reports) + 1)))
+    rows: list[tuple[str, ...]] = [(*header, "median")]
+
+    def row(label: str, stock: list[float], kvd: list[float]) -> tuple[str, ...]:
+        cells = [f"{_cell(s)} / {_cell(k)}" for s, k in zip(stock, kvd, strict=True)]
+        median = f"{_cell(_median(stock))} / {_cell(_median(kvd))}"
+        return (label, *cells, median)
+
+    def side(name: str, path: tuple[str, ...], connector: bool) -> list[float]:
+        values = []
+        for r in reports:
+            figure: Any = r["figures"][name]
+            for key in ("connector", *path) if connector else path:
+                figure = figure[key]
+            values.append(float(figure))
+        return values
+
+    for label, path in RUN_FIGURES[mode]:
+        rows.append(row(label, side("stock", path, False), side("kvd", path, False)))
+    rows.append(
+        row(
+            "stock's inline post-process / kvd's additions, summed",
+            side("stock", ("inline_post_process_sum",), True),
+            side("kvd", ("additions_sum",), True),
+        )
+    )
+    for label, path in CONNECTOR_RUN_FIGURES:
+        rows.append(row(label, side("stock", path, True), side("kvd", path, True)))
+    lines = format_table(rows, right=tuple(range(1, len(header) + 1)))
+    for i, r in enumerate(reports, 1):
+        for name in CONNECTORS:
+            warning = stall_verdict(r["figures"][name].get("worst_stall_s") or {})
+            if warning:
+                lines.append(f"WARNING (run {i}, {name}'s decode instance): {warning}")
+    equal = report["tokens_equal_to_baseline"]
+    lines.append(
+        f"requests decoding the single instance's tokens, all runs: kvd {equal['kvd']} of "
+        f"{report['requests']}, stock {equal['stock']} of {report['requests']}"
+    )
+    failed = sum(r["figures"]["kvd"]["connector"]["failed"] for r in reports)
+    lines.append(f"kvd failed (recomputed), all runs: {failed}")
+    for target in report["targets"]:
+        verdict = "met   " if target["met"] else "MISSED"
+        lines.append(
+            f"{verdict} {target['name']}: medians kvd {target['kvd']:.3f}, stock "
+            f"{target['stock']:.3f}; met in {target['met_in']} of {len(reports)} runs"
+        )
+    return lines
+
+
+def _median(values: list[float]) -> float:
+    known = [v for v in values if not math.isnan(v)]
+    return statistics.median(known) if known else math.nan
