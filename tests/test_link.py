@@ -129,6 +129,18 @@ def test_a_kvd_gone_past_the_down_timeout_fails_what_is_held(cache: ShmCache) ->
         daemon.close()
 
 
+def test_closing_the_link_detaches_its_cache_at_once(cache: ShmCache) -> None:
+    """A worker's shutdown detaches its cache: kvd releases its mapping then, not when the
+    engine's lease (30 s) ends under whatever runs next."""
+    with DaemonProcess() as daemon:
+        link = start_link(daemon, cache)
+        cache_id = link.attachment.cache_id
+        with Client(daemon.runtime_dir, timeout=5.0) as client:
+            assert cache_id in {c.cache_id for c in client.status().caches}
+            link.close()
+            assert cache_id not in {c.cache_id for c in client.status().caches}
+
+
 def test_stats_stay_bounded_however_long_the_run(cache: ShmCache) -> None:
     stats = HandoffStats()
     for _ in range(30_000):

@@ -183,14 +183,34 @@ class KvdLink:
         return True
 
     def close(self) -> None:
-        """Stop the link's thread, write the stats a last time, close every socket."""
+        """Stop the link's thread, write the stats a last time, detach the cache, close every
+        socket.
+
+        Detaching lets kvd release its mapping of the cache now. Otherwise kvd keeps it until
+        the engine's lease ends (``engine_lease_s`` after the connection closed, 30 s by
+        default) and releases it then, under whatever the machine runs at that moment (in
+        ``kvd bench vllm``, the next decode instance's timed steps)."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         self._write_stats(force=True)
+        if self.state is State.UP and not self._thread.is_alive():
+            self._detach()
         if self._events is not None:
             self._events.close()
         self.client.close()
+
+    def _detach(self) -> None:
+        a = self.attachment
+        try:
+            self.client.detach(a.cache_id, engine_id=a.engine_id)
+        except (KvdError, KvdTimeout, KvdUnavailable) as exc:
+            log.warning(
+                "kvd: detaching cache %r at shutdown: %s (kvd releases it when the engine's "
+                "lease ends)",
+                a.cache_id,
+                exc,
+            )
 
     # -- the link's thread -----------------------------------------------------------------------
 
