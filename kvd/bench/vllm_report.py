@@ -297,17 +297,7 @@ def mode_table(mode: str, report: dict[str, Any]) -> list[str]:
             "longest a ready thread waited for its core, per core (kvd.bench.stalls): stock "
             f"{_cores(s['worst_stall_s'])}, kvd {_cores(k['worst_stall_s'])}"
         )
-        for name, figures in (("stock", s), ("kvd", k)):
-            warning = stall_verdict(figures["worst_stall_s"])
-            if warning:
-                lines.append(f"WARNING ({name}'s decode instance): {warning}")
-    equal = report["tokens_equal_to_baseline"]
-    lines.append(
-        f"requests decoding the single instance's tokens: kvd {equal['kvd']} of "
-        f"{report['requests']}, stock {equal['stock']} of {report['requests']} (stock's CPU "
-        "block merge is wrong at 32 -> 64/128)"
-    )
-    lines.append(f"kvd failed (recomputed): {kc['failed']}")
+    lines += _outcome_lines(report, [("", report["figures"])], kc["failed"], "")
     for target in report["targets"]:
         verdict = "met   " if target["met"] else "MISSED"
         lines.append(
@@ -404,24 +394,37 @@ def repeated_table(mode: str, report: dict[str, Any]) -> list[str]:
     for label, path in CONNECTOR_RUN_FIGURES:
         rows.append(row(label, side("stock", path, True), side("kvd", path, True)))
     lines = format_table(rows, right=tuple(range(1, len(header) + 1)))
-    for i, r in enumerate(reports, 1):
-        for name in CONNECTORS:
-            warning = stall_verdict(r["figures"][name].get("worst_stall_s") or {})
-            if warning:
-                lines.append(f"WARNING (run {i}, {name}'s decode instance): {warning}")
-    equal = report["tokens_equal_to_baseline"]
-    lines.append(
-        f"requests decoding the single instance's tokens, all runs: kvd {equal['kvd']} of "
-        f"{report['requests']}, stock {equal['stock']} of {report['requests']}"
-    )
     failed = sum(r["figures"]["kvd"]["connector"]["failed"] for r in reports)
-    lines.append(f"kvd failed (recomputed), all runs: {failed}")
+    runs = [(f"run {i}, ", r["figures"]) for i, r in enumerate(reports, 1)]
+    lines += _outcome_lines(report, runs, failed, ", all runs")
     for target in report["targets"]:
         verdict = "met   " if target["met"] else "MISSED"
         lines.append(
             f"{verdict} {target['name']}: medians kvd {target['kvd']:.3f}, stock "
             f"{target['stock']:.3f}; met in {target['met_in']} of {len(reports)} runs"
         )
+    return lines
+
+
+def _outcome_lines(
+    report: dict[str, Any], runs: list[tuple[str, dict[str, Any]]], failed: int, scope: str
+) -> list[str]:
+    """A warning for each decode instance the machine stalled, then whose tokens were the
+    single instance's and how many requests kvd failed; ``runs``: (label, figures) per run,
+    ``scope`` what the counts cover."""
+    lines = []
+    for label, figures in runs:
+        for name in CONNECTORS:
+            warning = stall_verdict(figures[name].get("worst_stall_s") or {})
+            if warning:
+                lines.append(f"WARNING ({label}{name}'s decode instance): {warning}")
+    equal = report["tokens_equal_to_baseline"]
+    lines.append(
+        f"requests decoding the single instance's tokens{scope}: kvd {equal['kvd']} of "
+        f"{report['requests']}, stock {equal['stock']} of {report['requests']} (stock's CPU "
+        "block merge is wrong at 32 -> 64/128)"
+    )
+    lines.append(f"kvd failed (recomputed){scope}: {failed}")
     return lines
 
 
