@@ -20,6 +20,19 @@ from kvd.client import Client, Delivery, Subscription
 from kvd.protocol import Event
 
 
+def zmq_io_threads(pid: int | str = "self") -> list[int]:
+    """The thread ids of process ``pid``'s ZMQ I/O threads, found by name (a thread that ends
+    while they are read is left out)."""
+    threads = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            if (task / "comm").read_text().startswith("ZMQbg/IO"):
+                threads.append(int(task.name))
+        except OSError:
+            pass  # the thread ended
+    return threads
+
+
 def collect(sub: Subscription, count: int, timeout: float = 30.0) -> list[Delivery]:
     """The next ``count`` deliveries, polling until a deadline (never a fixed sleep)."""
     out: list[Delivery] = []

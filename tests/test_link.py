@@ -30,6 +30,7 @@ from kvd.vllm.link import (
     parse_io_cpus,
 )
 from kvd.vllm.stats import HandoffStats
+from tests.daemon_helpers import zmq_io_threads
 
 _ids = itertools.count()
 
@@ -154,36 +155,35 @@ def test_stats_stay_bounded_however_long_the_run(cache: ShmCache) -> None:
     assert report["steps_to_release"] == {"1": 30_000}
 
 
-def zmq_io_threads() -> dict[int, str]:
+def io_thread_cpus_now() -> dict[int, str]:
     """This process's ZMQ I/O threads: thread id -> the CPUs it may run on."""
     threads = {}
-    for task in Path("/proc/self/task").iterdir():
+    for tid in zmq_io_threads():
         try:
-            if (task / "comm").read_text().startswith("ZMQbg/IO"):
-                status = (task / "status").read_text()
-                threads[int(task.name)] = status.split("Cpus_allowed_list:")[1].split()[0]
+            status = Path(f"/proc/self/task/{tid}/status").read_text()
         except OSError:
-            pass  # the thread ended
+            continue  # the thread ended
+        threads[tid] = status.split("Cpus_allowed_list:")[1].split()[0]
     return threads
 
 
 def test_a_client_runs_its_io_thread_on_the_cpus_it_is_given() -> None:
     cpu = max(os.sched_getaffinity(0))
-    before = zmq_io_threads()
+    before = io_thread_cpus_now()
     with DaemonProcess() as daemon, Client(daemon.runtime_dir, io_cpus=frozenset({cpu})) as client:
         client.ping()
-        started = {t: cpus for t, cpus in zmq_io_threads().items() if t not in before}
+        started = {t: cpus for t, cpus in io_thread_cpus_now().items() if t not in before}
     assert list(started.values()) == [str(cpu)]
 
 
 async def test_an_async_client_runs_its_io_thread_on_the_cpus_it_is_given() -> None:
     cpu = min(os.sched_getaffinity(0))
-    before = zmq_io_threads()
+    before = io_thread_cpus_now()
     with DaemonProcess() as daemon:
         client = AsyncClient(daemon.runtime_dir, io_cpus=frozenset({cpu}))
         try:
             await client.ping()
-            started = {t: cpus for t, cpus in zmq_io_threads().items() if t not in before}
+            started = {t: cpus for t, cpus in io_thread_cpus_now().items() if t not in before}
         finally:
             client.close()
     assert list(started.values()) == [str(cpu)]

@@ -21,7 +21,7 @@ from kvd.daemon.sockets import (
 )
 from kvd.daemon_process import DaemonProcess
 from kvd.endpoints import Endpoints, default_runtime_dir, read_endpoints
-from tests.daemon_helpers import kvd
+from tests.daemon_helpers import kvd, zmq_io_threads
 
 
 def test_runtime_dir_defaults() -> None:
@@ -148,15 +148,6 @@ async def test_poke_reads_a_message_whose_edge_a_send_consumed(pair: MakePair) -
         reader.close()
 
 
-def io_thread_policies(pid: int) -> list[int]:
-    """The scheduling policy of each ZMQ I/O thread of process ``pid`` (``os.SCHED_*``)."""
-    return [
-        os.sched_getscheduler(int(task.name))
-        for task in Path(f"/proc/{pid}/task").iterdir()
-        if (task / "comm").read_text().startswith("ZMQbg/IO")
-    ]
-
-
 @pytest.mark.parametrize("dedicated", [True, False])
 def test_dedicated_cpus_make_zmqs_io_threads_yield_to_the_event_loop(
     short_tmp: Path, dedicated: bool
@@ -172,7 +163,7 @@ def test_dedicated_cpus_make_zmqs_io_threads_yield_to_the_event_loop(
         daemon.start()
     try:
         assert daemon.proc is not None
-        policies = io_thread_policies(daemon.proc.pid)
+        policies = [os.sched_getscheduler(t) for t in zmq_io_threads(daemon.proc.pid)]
         assert policies, "ZMQ's I/O threads, by name"
         wanted = os.SCHED_BATCH if dedicated else os.SCHED_OTHER
         assert policies == [wanted] * len(policies)
