@@ -378,9 +378,9 @@ SIZES = (
 def check_arguments(args: argparse.Namespace) -> str | None:
     """Why ``args`` cannot run, naming the option; None when they can."""
     try:
-        parse_io_cpus(args.kvd_io_cpus)
+        parse_io_cpus(args.kvd_io_cpus, "--kvd-io-cpus")
     except CpuListError as exc:
-        return f"--{exc}".replace("kvd_io_cpus", "kvd-io-cpus", 1)
+        return str(exc)
     for name in SIZES:
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')}: {getattr(args, name)} is not a positive integer"
@@ -475,7 +475,7 @@ def run(args: argparse.Namespace) -> int:
                 bar.update()
                 runs: list[dict[str, dict[str, Any]]] = []
                 for i in range(args.runs):
-                    runs.append({})
+                    pair: dict[str, dict[str, Any]] = {}
                     # Each run after the first swaps which connector goes first: a machine
                     # that drifts over the minutes then favours neither.
                     for name in CONNECTOR_ORDER if i % 2 == 0 else CONNECTOR_ORDER[::-1]:
@@ -501,8 +501,9 @@ def run(args: argparse.Namespace) -> int:
                         )
                         result["load_average"] = [before, os.getloadavg()[0]]
                         result["worst_stall_s"] = stalls.take()
-                        runs[i][name] = result
+                        pair[name] = result
                         bar.update()
+                    runs.append(pair)
             finally:
                 prefill.kill()
         report: dict[str, Any] = {

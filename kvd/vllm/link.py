@@ -59,14 +59,15 @@ IO_CPUS_DEFAULT = "kvd"
 engine thread's), or a CPU list such as ``7`` or ``6-7``."""
 
 
-def parse_io_cpus(setting: str) -> str | frozenset[int]:
-    """``kvd_io_cpus`` as given: ``kvd``, ``engine`` or CPUs; ``CpuListError`` naming it."""
+def parse_io_cpus(setting: str, name: str = "kvd_io_cpus") -> str | frozenset[int]:
+    """``kvd_io_cpus`` as given: ``kvd``, ``engine`` or CPUs; ``CpuListError`` naming it as
+    ``name`` (a command's option, where it is one)."""
     if setting in ("kvd", "engine"):
         return setting
     try:
         return parse_cpus(setting)
     except CpuListError as exc:
-        raise CpuListError(f"kvd_io_cpus: {exc}; or kvd, or engine") from None
+        raise CpuListError(f"{name}: {exc}; or kvd, or engine") from None
 
 
 def io_thread_cpus(
