@@ -579,6 +579,19 @@ def _add_bench(commands: Any) -> None:
     )
     add_vllm_arguments(vllm)
     vllm.set_defaults(run=_bench_vllm)
+    from kvd.bench.serve import HELP as SERVE_HELP
+    from kvd.bench.serve import add_arguments as add_serve_arguments
+
+    serve = _command(
+        which,
+        "serve",
+        help="the deployed shape: vllm serve prefill and decode servers behind a P/D proxy, "
+        "driven by vllm bench serve, stock vLLM's decode and kvd's side by side",
+        description=SERVE_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_serve_arguments(serve)
+    serve.set_defaults(run=_bench_serve)
     chaos = _command(
         which,
         "chaos",
@@ -644,6 +657,12 @@ def _bench_kernels(args: argparse.Namespace) -> int:
 
 def _bench_vllm(args: argparse.Namespace) -> int:
     from kvd.bench.vllm import run
+
+    return run(args)
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from kvd.bench.serve import run
 
     return run(args)
 

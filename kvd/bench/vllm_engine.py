@@ -88,6 +88,45 @@ def make_model(directory: Path, seed: int = 0) -> Path:
     return directory
 
 
+def make_tokenizer(directory: Path, seed: int = 0) -> Path:
+    """A byte-level BPE tokenizer of the model's vocabulary, trained here on seeded text, so that
+    vLLM's OpenAI server and ``vllm bench serve`` take text prompts (``<unk> <s> </s>`` are ids
+    0, 1, 2, the model's bos and eos)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    rng = random.Random(seed)
+    syllables = [a + b for a in "bcdfghklmnprstvwz" for b in "aeiouy"]
+    words = ["".join(rng.choices(syllables, k=rng.randint(1, 4))) for _ in range(3000)]
+    corpus = [
+        " ".join(rng.choices(words, k=rng.randint(8, 30))) + rng.choice(".,;?!")
+        for _ in range(4000)
+    ]
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(corpus, trainer)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "model_max_length": MAX_MODEL_LEN,
+            }
+        )
+    )
+    return directory
+
+
 MLA_HEADS, KV_LORA_RANK, QK_ROPE_HEAD_DIM, QK_NOPE_HEAD_DIM, V_HEAD_DIM = 4, 512, 64, 32, 32
 """vLLM 0.32's CPU MLA kernels compile for one latent size only, kv_lora_rank 512 + rope 64
 (``get_supported_head_sizes``: 576); the per-head dims are free, so they stay small."""
@@ -179,7 +218,7 @@ for them). Long enough for a decode on a machine busy with other engines; held b
 prefill instance only its idle step (``serve_prefill``)."""
 
 
-def _without_nixl_progress_thread() -> None:
+def without_nixl_progress_thread() -> None:
     """vLLM's NIXL agents without NIXL's progress thread, which polls with no pause (NIXL's
     Python API starts it with no delay) and so keeps a core busy in every instance, holding
     blocks or not: two such threads are this 2-core machine. The engine progresses its agent
@@ -203,7 +242,7 @@ def make_llm(config: dict[str, Any]) -> Any:
     from vllm.config import KVTransferConfig
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    _without_nixl_progress_thread()
+    without_nixl_progress_thread()
 
     transfer = KVTransferConfig(
         kv_connector=config["connector"],

@@ -1,0 +1,501 @@
+"""``kvd bench serve``: the shape P/D is deployed in, stock vLLM's decode against kvd's, same run.
+
+It starts ``kvd serve``, one prefill server (``vllm serve``, vLLM's NIXL connector), two decode
+servers of another block size (vLLM's ``NixlConnector`` and ``KvdConnector``), and a P/D proxy
+(``kvd.bench.proxy``), all over HTTP on loopback. The decode servers take turns behind the proxy,
+the first one swapped each run; each is warmed up, then driven by ``vllm bench serve`` (random
+prompts; sizes and concurrency are options). Greedy text completions through the proxy, one at a
+time and all at once, streamed and not, are compared with the prefill server's own (a single
+instance): kvd's must equal it; stock vLLM's CPU merge is wrong at differing block sizes.
+
+The servers run through ``kvd.bench.vllm_server`` (vLLM's own CLI; NIXL's progress thread off
+unless ``--nixl-progress-thread``: see that module). ``kvd.bench.serve_report`` turns each run's
+figures into the table and the targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from kvd.bench.cores import read_cpu
+from kvd.bench.serve_report import CONNECTORS, repeated_report, run_report, table
+from kvd.bench.stalls import StallWatch
+from kvd.bench.vllm import free_port, pinned_daemon
+from kvd.bench.vllm_engine import MAX_MODEL_LEN, make_model, make_tokenizer
+from kvd.bench.vllm_server import PROGRESS_THREAD_ENV
+from kvd.cpus import format_cpus
+from kvd.progress import progress_bar
+
+KVD_CORE = 0
+START_S = 900
+"""The longest wait for a server to answer /health: two start at once on a busy 2-core machine."""
+REQUEST_S = 600
+"""The longest wait for one completion through the proxy."""
+KV_LEASE_S = 120
+"""The prefill's ``kv_lease_duration``: vLLM's 30 s default frees blocks a decode on a machine
+this loaded may not have read yet (the decode renews the lease while it waits for them)."""
+STALE_READ = "Potentially invalid KV blocks"
+"""What a prefill logs when a decode read blocks after their lease ran out."""
+
+HELP = """\
+Figures per decode connector (vllm bench serve's, over the timed requests):
+  req/s, tok/s   request and output-token throughput
+  TTFT           time to first token, p50 and p99 (and the longest), ms
+  TPOT, ITL      time per output token and inter-token latency, p50 and p99, ms
+  e2e            request latency, p50 and p99, ms
+  ready          kvd's ReadDone -> Ready as the connector saw it, p50 and max, ms (kvd only)
+  hand-off       the engine thread's time handing requests to kvd, sum and max, ms (kvd only)
+Targets, on the medians of the runs: throughput >= stock, TTFT p50 <= 1.05x and p99 <= 1.0x
+stock's, ITL p99 <= stock's, e2e p50 <= stock's.
+"""
+
+
+class Server:
+    """One ``vllm serve`` (its API server, engine core and worker processes)."""
+
+    def __init__(
+        self,
+        work: Path,
+        *,
+        name: str,
+        model: Path,
+        args: argparse.Namespace,
+        block_size: int,
+        transfer: dict[str, Any],
+    ) -> None:
+        self.name = name
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = work / f"{name}.log"
+        env = {
+            **os.environ,
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            PROGRESS_THREAD_ENV: "1" if args.nixl_progress_thread else "0",
+        }
+        cmd = [
+            sys.executable, "-m", "kvd.bench.vllm_server", "serve", str(model),
+            "--port", str(self.port),
+            "--block-size", str(block_size),
+            "--max-model-len", str(MAX_MODEL_LEN),
+            "--max-num-seqs", str(max(8, args.concurrency)),
+            "--enforce-eager",
+            "--seed", "0",
+            "--no-enable-prefix-caching",
+            "--kv-transfer-config", json.dumps(transfer),
+        ]  # fmt: skip
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + START_S
+        while not _healthy(self.url):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"{self.name} did not start:\n{self.tail()}")
+            time.sleep(1)
+
+    def stop(self, timeout: float = 60) -> None:
+        """SIGTERM as systemd or Kubernetes stops it; its children are killed if they linger."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout)
+        self.kill()
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def placement(self) -> str:
+        """The CPUs its processes may run on, and where its engine thread runs."""
+        return ", ".join(
+            f"{name} on {format_cpus(os.sched_getaffinity(pid))}"
+            for name, pid in _process_tree(self.proc.pid)
+        )
+
+
+def _process_tree(root: int) -> list[tuple[str, int]]:
+    """(name, pid) of ``root`` and its descendants."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        with contextlib.suppress(OSError):
+            out.append((Path(f"/proc/{pid}/comm").read_text().strip(), pid))
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as r:
+            return bool(r.status == 200)
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def _post(url: str, body: dict[str, Any], timeout: float = REQUEST_S) -> bytes:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as r:
+        return bytes(r.read())
+
+
+def completion_text(base_url: str, model: Path, prompt: str, max_tokens: int, stream: bool) -> str:
+    """A greedy completion's text, streamed (server-sent events, joined) or not."""
+    body = {
+        "model": str(model),
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+    raw = _post(base_url + "/v1/completions", body).decode()
+    if not stream:
+        return str(json.loads(raw)["choices"][0]["text"])
+    parts: list[str] = []
+    for line in raw.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            parts.extend(c["text"] for c in json.loads(line[6:])["choices"])
+    return "".join(parts)
+
+
+def check_prompts(count: int, seed: int = 1) -> list[str]:
+    """Text prompts of several lengths, seeded: a few hundred tokens each, some past a block."""
+    rng = random.Random(seed)
+    syllables = [a + b for a in "bcdfghklmnprstvwz" for b in "aeiouy"]
+    return [
+        " ".join(
+            "".join(rng.choices(syllables, k=rng.randint(1, 3)))
+            for _ in range(rng.randint(60, 300))
+        )
+        for _ in range(count)
+    ]
+
+
+def greedy_check(
+    proxy: str, single: str, model: Path, prompts: list[str], max_tokens: int
+) -> dict[str, Any]:
+    """Each prompt through the proxy (one at a time, then all at once; streamed and not)
+    against the single instance's text. Requests that arrive together may batch differently;
+    in float32 the CPU backend's greedy tokens do not depend on it (bf16's may)."""
+    expected = [completion_text(single, model, p, max_tokens, False) for p in prompts]
+    cases = [(p, e, s) for p, e in zip(prompts, expected, strict=True) for s in (False, True)]
+    sequential = [completion_text(proxy, model, p, max_tokens, s) == e for p, e, s in cases]
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        texts = list(
+            pool.map(lambda c: completion_text(proxy, model, c[0], max_tokens, c[2]), cases)
+        )
+    concurrent_ = [t == e for t, (_, e, _) in zip(texts, cases, strict=True)]
+    return {
+        "equal": sum(sequential) + sum(concurrent_),
+        "of": len(sequential) + len(concurrent_),
+    }
+
+
+def load_run(
+    work: Path, tag: str, proxy: str, model: Path, args: argparse.Namespace, *, warmups: int
+) -> dict[str, Any]:
+    """One ``vllm bench serve`` through the proxy; its result as saved (per request too)."""
+    name = f"{tag}.json"
+    cmd = [
+        sys.executable, "-m", "kvd.vllm.cli", "bench", "serve",
+        "--backend", "vllm",
+        "--base-url", proxy,
+        "--model", str(model),
+        "--dataset-name", "random",
+        "--random-input-len", str(args.input_len),
+        "--random-output-len", str(args.output_len),
+        "--num-prompts", str(args.num_prompts),
+        "--max-concurrency", str(args.concurrency),
+        "--num-warmups", str(warmups),
+        "--ignore-eos",
+        "--temperature", "0",
+        "--seed", str(args.seed),
+        "--percentile-metrics", "ttft,tpot,itl,e2el",
+        "--metric-percentiles", "50,99",
+        "--save-result", "--save-detailed",
+        "--result-dir", str(work),
+        "--result-filename", name,
+        "--disable-tqdm",
+    ]  # fmt: skip
+    with open(work / f"{tag}.client.log", "wb") as log:
+        code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
+    if code != 0:
+        tail = (work / f"{tag}.client.log").read_text(errors="replace").splitlines()[-30:]
+        raise RuntimeError(f"vllm bench serve exited with {code}:\n" + "\n".join(tail))
+    result: dict[str, Any] = json.loads((work / name).read_text())
+    return result
+
+
+@contextlib.contextmanager
+def _proxy(work: Path, prefill: str, decode: str) -> Iterator[tuple[str, Path]]:
+    port = free_port()
+    timings = work / "proxy-timings.jsonl"
+    with open(work / "proxy.log", "wb") as log:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvd.bench.proxy",
+                "--prefill",
+                prefill,
+                "--decode",
+                decode,
+                "--port",
+                str(port),
+                "--timings",
+                str(timings),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while not _healthy(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the proxy did not start: " + (work / "proxy.log").read_text())
+            time.sleep(0.2)
+        yield url, timings
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def _stats(path: Path) -> dict[str, Any]:
+    with contextlib.suppress(OSError, ValueError):
+        stats: dict[str, Any] = json.loads(path.read_text())
+        return stats
+    return {}
+
+
+def _legs(timings: Path, since: float) -> list[dict[str, Any]]:
+    if not timings.exists():
+        return []
+    legs = [json.loads(line) for line in timings.read_text().splitlines() if line]
+    return [leg for leg in legs if leg["came"] >= since]
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import vllm  # noqa: F401
+    except ImportError as exc:
+        print(
+            f"kvd bench serve: vLLM is not importable ({exc}): pip install -e '.[vllm]'",
+            file=sys.stderr,
+        )
+        return 2
+    problem = check_arguments(args)
+    if problem is not None:
+        print(f"kvd bench serve: {problem}", file=sys.stderr)
+        return 2
+    with contextlib.ExitStack() as stack:
+        work = (
+            Path(args.keep)
+            if args.keep
+            else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvd-bench-serve-")))
+        )
+        work.mkdir(parents=True, exist_ok=True)
+        model = make_tokenizer(make_model(work / "model"))
+        daemon = stack.enter_context(pinned_daemon(KVD_CORE))
+        assert daemon.proc is not None
+        kvd_pid = daemon.proc.pid
+        stats_path = work / "kvd-connector-stats.json"
+        transfers: dict[str, dict[str, Any]] = {
+            "prefill": {"kv_connector": "NixlConnector", "kv_role": "kv_producer",
+                        "kv_connector_extra_config": {"kv_lease_duration": KV_LEASE_S}},
+            "stock": {"kv_connector": "NixlConnector", "kv_role": "kv_consumer",
+                      "kv_load_failure_policy": "recompute"},
+            "kvd": {"kv_connector": "KvdConnector", "kv_connector_module_path": "kvd.vllm",
+                    "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
+                    "kv_connector_extra_config": {"kvd_runtime_dir": str(daemon.runtime_dir),
+                                                  "kvd_stats_path": str(stats_path)}},
+        }  # fmt: skip
+        blocks = {"prefill": args.prefill_block, **dict.fromkeys(CONNECTORS, args.decode_block)}
+        servers = {
+            role: Server(
+                work,
+                name=role if role == "prefill" else f"decode-{role}",
+                model=model,
+                args=args,
+                block_size=blocks[role],
+                transfer=transfers[role],
+            )
+            for role in blocks
+        }
+        for server in servers.values():
+            stack.callback(server.kill)
+        print(f"starting the prefill and two decode servers ({work})", file=sys.stderr)
+        for server in servers.values():
+            server.wait_ready()
+        prefill = servers["prefill"]
+        proxy, timings = stack.enter_context(_proxy(work, prefill.url, servers["stock"].url))
+        placement = {n: s.placement() for n, s in servers.items()}
+        placement["kvd"] = f"kvd on {format_cpus(os.sched_getaffinity(kvd_pid))}"
+        prompts = check_prompts(args.check_prompts)
+        runs: list[dict[str, Any]] = []
+        steps = args.runs * len(CONNECTORS)
+        with (
+            progress_bar(
+                steps, "kvd bench serve", unit="run", quiet=args.json or args.no_progress
+            ) as bar,
+            StallWatch() as stalls,
+        ):
+            for index in range(args.runs):
+                order = CONNECTORS if index % 2 == 0 else CONNECTORS[::-1]
+                measured: dict[str, Any] = {}
+                for connector in order:
+                    decode = servers[connector]
+                    _post(proxy + "/decode", {"url": decode.url})
+                    # Warm-up on the first run only: later runs reuse warm servers.
+                    warmups = args.warmups if index == 0 else 0
+                    stats_before = _stats(stats_path) if connector == "kvd" else {}
+                    stalls.take()
+                    since = time.time()
+                    cpu_before = read_cpu(kvd_pid)
+                    result = load_run(
+                        work, f"run{index}-{connector}", proxy, model, args, warmups=warmups
+                    )
+                    measured[connector] = {
+                        "result": result,
+                        "legs": _legs(timings, since),
+                        "stalls": stalls.take(),
+                        "kvd_cpu_s": _cpu_seconds(cpu_before, read_cpu(kvd_pid)),
+                        "connector_before": stats_before,
+                        "connector_after": _stats(stats_path) if connector == "kvd" else {},
+                    }
+                    bar.update(1)
+                runs.append(run_report(measured, order))
+        checks: dict[str, Any] = {}
+        if args.check_prompts:
+            for connector in CONNECTORS:
+                _post(proxy + "/decode", {"url": servers[connector].url})
+                checks[connector] = greedy_check(
+                    proxy, prefill.url, model, prompts, args.check_tokens
+                )
+        stale = STALE_READ in prefill.log.read_text(errors="replace")
+        servers["kvd"].stop()
+        released = _released_at_once(daemon.runtime_dir)
+        report = repeated_report(runs, checks, placement, stale_reads=stale, released=released)
+        report["work"] = str(work)
+        (work / "report.json").write_text(json.dumps(report, indent=1))
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print("\n".join(table(report, args)))
+    return 0
+
+
+def _cpu_seconds(before: Any, after: Any) -> float:
+    from kvd.bench.cores import cpu_seconds
+
+    return round(cpu_seconds(before, after), 3)
+
+
+def _released_at_once(runtime_dir: Path) -> bool:
+    """Whether kvd holds no cache once the kvd decode server stopped (polled for a few seconds:
+    the detach is one round trip; the engine lease would take 30 s)."""
+    from kvd.client import Client
+
+    deadline = time.monotonic() + 10
+    with Client(runtime_dir) as client:
+        while time.monotonic() < deadline:
+            if not client.status().caches:
+                return True
+            time.sleep(0.2)
+    return False
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--runs",
+        type=int,
+        default=1,
+        help="runs of both decode servers, the first swapped each run (default 1)",
+    )
+    parser.add_argument(
+        "--num-prompts",
+        type=int,
+        default=24,
+        help="timed requests per decode server and run (default 24)",
+    )
+    parser.add_argument("--input-len", type=int, default=600, help="prompt tokens (default 600)")
+    parser.add_argument("--output-len", type=int, default=48, help="output tokens (default 48)")
+    parser.add_argument(
+        "--concurrency", type=int, default=4, help="requests in flight at once (default 4)"
+    )
+    parser.add_argument(
+        "--warmups",
+        type=int,
+        default=8,
+        help="warm-up requests per decode server before its first run (default 8)",
+    )
+    parser.add_argument(
+        "--prefill-block", type=int, default=32, help="prefill block size (default 32)"
+    )
+    parser.add_argument(
+        "--decode-block", type=int, default=64, help="decode block size (default 64)"
+    )
+    parser.add_argument(
+        "--check-prompts",
+        type=int,
+        default=4,
+        help="text prompts compared with the single instance, each 4 ways (default 4; 0: none)",
+    )
+    parser.add_argument(
+        "--check-tokens",
+        type=int,
+        default=16,
+        help="greedy tokens per compared prompt (default 16)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="the random dataset's seed (default 0)")
+    parser.add_argument(
+        "--nixl-progress-thread",
+        action="store_true",
+        help="keep NIXL's progress thread in every server (it polls with no pause: a core each)",
+    )
+    parser.add_argument("--keep", metavar="DIR", help="work in DIR and keep its logs and results")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")  # fmt: skip
+
+
+def check_arguments(args: argparse.Namespace) -> str | None:
+    for name in ("runs", "num_prompts", "input_len", "output_len", "concurrency",
+                 "prefill_block", "decode_block", "check_tokens"):  # fmt: skip
+        if getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')}: must be at least 1, not {getattr(args, name)}"
+    for name in ("warmups", "check_prompts"):
+        if getattr(args, name) < 0:
+            return f"--{name.replace('_', '-')}: must be 0 or more, not {getattr(args, name)}"
+    if args.input_len + args.output_len > MAX_MODEL_LEN:
+        return f"--input-len + --output-len: at most {MAX_MODEL_LEN} (the model's length)"
+    return None
