@@ -73,8 +73,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         _doc(
             "CUDA only: publish Ready as soon as a post-process is enqueued on the GPU, with an "
             "interprocess CUDA event the engine's stream waits on (Ready.cuda_event), instead of "
-            "after kvd saw it complete. Off: see README.md, 'The post-process on CPU and GPU', "
-            "for when it is safe."
+            "after kvd saw it complete. Off: docs/design.md, 'Ready without a host round trip', "
+            "says when it is safe."
         ),
     ] = False
     dedicated_cpus: Annotated[
@@ -84,7 +84,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             "exclusive cpuset): ZMQ's socket I/O threads then run SCHED_BATCH, so a message "
             "that wakes one no longer preempts kvd's event loop, and a burst's messages move "
             "together. Never on CPUs another busy process shares: there each message would wait "
-            "for a scheduler tick. See README.md, 'A core of its own'."
+            "for a scheduler tick. See docs/deployment.md, 'A core of its own'."
         ),
     ] = False
     batch_window_us: Annotated[

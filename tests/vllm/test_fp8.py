@@ -78,6 +78,6 @@ def test_kvd_decodes_an_fp8_cache_like_the_single_instance(fp8: Setup, kvd: Daem
 
 def test_stock_vllm_merges_fp8_cpu_pages_wrong(fp8: Setup) -> None:
     """vLLM 0.32's own 32 -> 64 merge of the same fp8 pages. If this fails, a newer vLLM
-    changed it: README.md's table of real vLLM runs must change."""
+    changed it: docs/vllm.md's table of real vLLM runs must change."""
     result = fp8.decode("fp8", 64, connector="NixlConnector", module=None, kv_cache_dtype="fp8")
     assert len(fp8.mismatches(result)) == 4, "stock vLLM's fp8 CPU block merge is now right"

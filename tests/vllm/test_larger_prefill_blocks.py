@@ -87,7 +87,7 @@ def test_kvd_splits_larger_prefill_blocks_like_the_single_instance(
 def test_stock_vllm_refuses_larger_prefill_blocks(larger: Setup) -> None:
     """vLLM 0.32 refuses 64 -> 32 at the handshake; with kv_load_failure_policy="recompute"
     every request is recomputed, so the control request decodes its own tokens. If this
-    fails, a newer vLLM reads nP > nD itself: README.md's table of real vLLM runs must change."""
+    fails, a newer vLLM reads nP > nD itself: docs/vllm.md's table of real vLLM runs must change."""
     result = larger.decode("64", 32, connector="NixlConnector", module=None)
     log = Path(result["log_file"]).read_text(errors="replace")
     assert REFUSAL in log, "stock vLLM no longer refuses prefill blocks of 64 into 32"

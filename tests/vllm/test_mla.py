@@ -6,12 +6,12 @@ which forces block size 16 on both sides (``platforms/cpu.py``; on a CPU with AM
 pick AMX_MLA, bf16 only, so the backend is pinned): 16 -> 16 is the one pair, and its rewrite
 is the identity, so kvd answers Ready without touching a byte.
 
-vLLM 0.32's own decode of such a pair differs from the single instance (measured 2026-12-04,
-README "Running with vLLM"): the latent rows it received equal the prefill's bit for bit, but
-the last prompt token, which decode recomputes, gets a different rotary part. The test holds
-kvd to the baseline, and where kvd's tokens differ, checks that stock vLLM's differ at the same
-geometry too (the fault is then vLLM's: kvd touched nothing) and reports it as an xfail.
-Skipped when vllm cannot be imported.
+vLLM 0.32's own decode of such a pair differs from the single instance (measured 2026-12-04;
+docs/vllm.md, "MLA (DeepSeek-style) caches"): the latent rows it received equal the prefill's
+bit for bit, but the last prompt token, which decode recomputes, gets a different rotary part.
+The test holds kvd to the baseline, and where kvd's tokens differ, checks that stock vLLM's
+differ at the same geometry too (the fault is then vLLM's: kvd touched nothing) and reports it
+as an xfail. Skipped when vllm cannot be imported.
 """
 
 from __future__ import annotations

@@ -119,7 +119,7 @@ def test_a_stock_decode_reads_a_kvd_prefill(setup: Setup) -> None:
 
 def test_stock_vllm_merges_cpu_pages_wrong(setup: Setup) -> None:
     """vLLM 0.32's own 32 -> 64 merge scrambles CPU attention pages: the first reason to run
-    kvd. If this fails, a newer vLLM fixed it: README.md's "Running with vLLM" must change."""
+    kvd. If this fails, a newer vLLM fixed it: README.md's "Why" and docs/vllm.md must change."""
     result = setup.decode("stock", 64, connector="NixlConnector", module=None)
     assert len(setup.mismatches(result)) == 4, "stock vLLM's CPU block merge is now right"
 
