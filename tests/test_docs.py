@@ -7,8 +7,10 @@ Which test answers for a command (``kind``):
 - ``kvd ...``: parsed by kvd's own argument parser, as typed (inline spans too: their
   subcommands and flags); a block that starts ``kvd serve --runtime-dir /tmp/kvd-0 ... &`` is a
   session, run as written against a real kvd on a fresh directory;
-- ``python -m vllm.entrypoints.openai.api_server ...`` and ``vllm serve ...``: parsed by vLLM's
-  own server parser in tests/vllm/test_docs_recipe.py (where vLLM is installed);
+- ``python -m vllm.entrypoints.openai.api_server ...``, ``python -m kvd.vllm.cli serve ...`` and
+  ``vllm serve ...``: parsed by vLLM's own server parser in tests/vllm/test_docs_recipe.py (where
+  vLLM is installed); the README's CPU recipe, with its proxy and its ``curl``, is also run as
+  written by tests/vllm/test_serve.py;
 - ``python -m kvd.schema`` and ``python -m kvd.daemon.config_page``: run as written in a scratch
   directory, their output equal to the checked-in files;
 - ``pip install`` and ``pip uninstall``: what they name is what .ci/run installs or removes;
@@ -94,6 +96,10 @@ def kind(command: Command) -> str:
         return "generator"
     if vllm_server_args(argv) is not None:
         return "vllm"
+    if python_module(argv) == "kvd.bench.proxy" or argv[0] == "curl":
+        return (
+            "served"  # the recipe's proxy and request: run as written by tests/vllm/test_serve.py
+        )
     if argv[0] in ("python", "python3") and argv[1:2] and argv[1].startswith("examples/"):
         return "example"
     if Path(argv[0]).name == "pip":

@@ -150,7 +150,15 @@ def test_a_vllm_whose_worker_lacks_hooks_is_refused_naming_them(
 def test_the_sub_blocks_a_read_covered_are_counted_as_each_vllm_counts_them() -> None:
     # vLLM 0.32 and 0.33: from the first local block, min(local * ratio, remote).
     assert covered_sub_blocks(2, 4, 5, None) == 5
-    assert covered_sub_blocks(2, 4, 9, None) == 8
+    assert covered_sub_blocks(3, 2, 6, None) == 6
+    # After a decode-side prefix hit they pair the uncached local blocks with the prefill's last
+    # blocks: aligned where the prompt fills its last local block (8 of 8 remote blocks, one
+    # local block cached)...
+    assert covered_sub_blocks(1, 4, 8, None) == 4
+    # ...but a 9-block prompt whose first local block is cached puts remote blocks 1-8, not 4-8,
+    # into local blocks 1 and 2: off by 3 sub-blocks, recomputed rather than rewritten.
+    assert covered_sub_blocks(2, 4, 9, None) is None
+    assert covered_sub_blocks(1, 2, 5, None) is None
     # vLLM 0.34 pairs from the last token: a decode-side prefix hit leaves local blocks for
     # tokens 64-191 of a 160-token prompt (block 64, remote 32), so 3 of their 4 sub-blocks
     # land, paired with the last 3 of the 5 remote blocks; min() would say 4.

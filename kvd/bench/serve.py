@@ -96,7 +96,7 @@ class Server:
             "--max-num-seqs", str(max(8, args.concurrency)),
             "--enforce-eager",
             "--seed", "0",
-            "--no-enable-prefix-caching",
+            "--enable-prefix-caching" if args.prefix_caching else "--no-enable-prefix-caching",
             "--kv-transfer-config", json.dumps(transfer),
         ]  # fmt: skip
         with open(self.log, "wb") as log:
@@ -360,7 +360,7 @@ def run(args: argparse.Namespace) -> int:
         prefill = servers["prefill"]
         proxy, timings = stack.enter_context(_proxy(work, prefill.url, servers["stock"].url))
         placement = {n: s.placement() for n, s in servers.items()}
-        placement["kvd"] = f"kvd on {format_cpus(os.sched_getaffinity(kvd_pid))}"
+        placement["kvd serve"] = f"on {format_cpus(os.sched_getaffinity(kvd_pid))}"
         prompts = check_prompts(args.check_prompts)
         runs: list[dict[str, Any]] = []
         steps = args.runs * len(CONNECTORS)

@@ -425,6 +425,9 @@ class KvdWorker(NixlPullConnectorWorker):
             if covered is None:
                 why = (
                     f"its READ filled sub-blocks {covered_range or 'none'}, which no ReadDone says"
+                    if covered_range is not None
+                    else f"its READ paired {len(local)} local blocks (ratio {ratio}) with the "
+                    f"last of {len(meta.remote.block_ids[0])} remote blocks, off their places"
                 )
             log.warning("%s: request %s is recomputed", why, req_id)
             results.finished_recving.add(req_id)

@@ -37,9 +37,16 @@ def covered_sub_blocks(
 
     ``covered`` is vLLM 0.34's range of filled sub-blocks (``ReqMeta.covered_sub_blocks``: it
     pairs local and remote blocks from the last token, so a range may start past 0); without
-    it, as vLLM 0.32 and 0.33 count: ``min(local_blocks * ratio, remote_blocks)``.
+    it, as vLLM 0.32 and 0.33 count: ``min(local_blocks * ratio, remote_blocks)``. They pair the
+    sub-blocks of a decode-side prefix hit's uncached local blocks with the prefill's *last*
+    blocks (``_apply_prefix_caching`` trims its list from the end): where the prompt ends inside
+    a local block (``remote_blocks % ratio``), every sub-block then lands that many places
+    from where the local blocks want it, bytes of the cached prefix first. No rewrite of these
+    pages puts them right, so the ReadDone cannot say it: None, and the request is recomputed.
     """
     if covered is None:
+        if local_blocks * ratio < remote_blocks and remote_blocks % ratio:
+            return None
         count = min(local_blocks * ratio, remote_blocks)
     elif covered.start == 0:
         count = covered.stop

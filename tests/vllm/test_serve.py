@@ -1,0 +1,150 @@
+"""The README's CPU recipe, run as written: ``kvd serve``, a prefill and a decode OpenAI server
+(``python -m kvd.vllm.cli serve``), the P/D proxy, then its ``curl``; text completions through
+the proxy, streamed and not, one at a time and all at once, equal a single instance's greedy
+text. A stock decode server of the same block size, behind the same proxy, decodes other text
+(vLLM 0.32's CPU block merge is wrong): recorded, as ``test_pd.py`` records it offline.
+
+The recipe's ports (8000, 8100, 8200, 5600, 5601) must be free. ``XDG_RUNTIME_DIR`` points at a
+scratch directory, so ``kvd serve`` and the connector meet in a runtime directory of the test's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm is not installed (pip install -e '.[vllm]')")
+
+from kvd.bench.serve import Server, check_prompts, completion_text, greedy_check
+from kvd.bench.vllm_engine import make_model, make_tokenizer
+from kvd.client import Client
+
+pytestmark = pytest.mark.slow
+
+README = Path(__file__).parents[2] / "README.md"
+PORTS = (8000, 8100, 8200, 5600, 5601)
+PROXY, PREFILL = "http://127.0.0.1:8000", "http://127.0.0.1:8100"
+START_S = 900
+PATH = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+"""This interpreter's ``python`` and ``kvd`` first, as in the virtualenv the README installs."""
+
+
+def section(name: str) -> str:
+    """The fenced block between the README's ``--8<-- [start:name]`` and ``[end:name]``."""
+    text = README.read_text()
+    body = text.split(f"--8<-- [start:{name}] -->", 1)[1].split(f"--8<-- [end:{name}]", 1)[0]
+    return body.split("```sh\n", 1)[1].split("```", 1)[0]
+
+
+def healthy(url: str) -> bool:
+    import urllib.request
+
+    with contextlib.suppress(OSError), urllib.request.urlopen(url + "/health", timeout=5) as r:
+        return bool(r.status == 200)
+    return False
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tokenizer(make_model(tmp_path_factory.mktemp("serve") / "tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def recipe(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The recipe's processes, started by the README's block itself; their runtime dir."""
+    for port in PORTS:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                pytest.fail(f"port {port}, which the README's recipe uses, is taken")
+    runtime = tmp_path_factory.mktemp("xdg")
+    log = runtime / "recipe.log"
+    script = section("vllm-recipe-cpu").replace("MODEL", shlex.quote(str(model))) + "wait\n"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            ["bash", "-c", script],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "XDG_RUNTIME_DIR": str(runtime), "PATH": PATH},
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + START_S
+        for url in (PREFILL, "http://127.0.0.1:8200", PROXY):
+            while not healthy(url):
+                tail = log.read_text(errors="replace")[-4000:]
+                assert proc.poll() is None, f"the recipe exited:\n{tail}"
+                assert time.monotonic() < deadline, f"{url} did not start:\n{tail}"
+                time.sleep(1)
+        yield runtime / "kvd" / "0"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_the_readmes_request_is_answered(recipe: Path, model: Path) -> None:
+    command = section("vllm-recipe-request").replace("MODEL", str(model))
+    done = subprocess.run(
+        ["bash", "-c", command], capture_output=True, text=True, timeout=600, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout)
+    assert answer["usage"]["completion_tokens"] == 16
+    expected = completion_text(PREFILL, model, "Hello", 16, stream=False)
+    assert answer["choices"][0]["text"] == expected
+
+
+def test_kvd_decodes_the_single_instances_text(recipe: Path, model: Path) -> None:
+    with Client(recipe) as kvd:
+        assert [c.cache_id for c in kvd.status().caches], "the decode attached no cache to kvd"
+    check = greedy_check(PROXY, PREFILL, model, check_prompts(3), max_tokens=16)
+    assert check["equal"] == check["of"], check
+
+
+def test_a_stock_decode_decodes_other_text(recipe: Path, model: Path, tmp_path: Path) -> None:
+    """The same block sizes with vLLM's own decode: its CPU merge scrambles K and V."""
+    import argparse
+    import urllib.request
+
+    args = argparse.Namespace(nixl_progress_thread=True, concurrency=4, prefix_caching=True)
+    stock = Server(
+        tmp_path,
+        name="decode-stock",
+        model=model,
+        args=args,
+        block_size=64,
+        transfer={
+            "kv_connector": "NixlConnector",
+            "kv_role": "kv_consumer",
+            "kv_load_failure_policy": "recompute",
+        },
+    )
+    switch = urllib.request.Request(
+        PROXY + "/decode",
+        data=json.dumps({"url": stock.url}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        stock.wait_ready()
+        urllib.request.urlopen(switch, timeout=30).close()
+        check = greedy_check(PROXY, PREFILL, model, check_prompts(3), max_tokens=16)
+    finally:
+        back = urllib.request.Request(
+            PROXY + "/decode",
+            data=json.dumps({"url": "http://127.0.0.1:8200"}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        urllib.request.urlopen(back, timeout=30).close()
+        stock.kill()
+    assert check["equal"] < check["of"], "stock vLLM's CPU merge decoded the single text"
