@@ -479,6 +479,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="the random dataset's seed (default 0)")
     parser.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="servers without vLLM's prefix cache (on by default, as in vLLM)",
+    )
+    parser.add_argument(
         "--nixl-progress-thread",
         action="store_true",
         help="keep NIXL's progress thread in every server (it polls with no pause: a core each)",

@@ -1,0 +1,87 @@
+"""``kvd bench serve``'s report: figures from ``vllm bench serve``'s results, medians, targets."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from typing import Any
+
+from kvd.bench.serve_report import CONNECTORS, repeated_report, run_report, table
+
+
+def measured(throughput: float, ttft_ms: float, ttfts_s: list[float]) -> dict[str, Any]:
+    result = {
+        "request_throughput": throughput,
+        "output_throughput": throughput * 48,
+        "median_ttft_ms": ttft_ms,
+        "p99_ttft_ms": ttft_ms * 2,
+        "median_tpot_ms": 5.0,
+        "p99_tpot_ms": 9.0,
+        "median_itl_ms": 5.0,
+        "p99_itl_ms": 40.0,
+        "median_e2el_ms": ttft_ms + 240,
+        "p99_e2el_ms": ttft_ms * 2 + 300,
+        "ttfts": ttfts_s,
+        "completed": 24,
+        "failed": 0,
+    }
+    return {"result": result, "legs": [], "stalls": {"0": 0.01, "1": 0.02}, "kvd_cpu_s": 0.5}
+
+
+def three_runs() -> list[dict[str, Any]]:
+    # kvd faster in two runs of three, slower in one: the medians decide.
+    pairs = [((2.0, 500), (2.2, 450)), ((2.0, 500), (1.0, 900)), ((2.0, 500), (2.1, 480))]
+    return [
+        run_report(
+            {
+                "stock": measured(s[0], s[1], [s[1] / 1000, 2.5]),
+                "kvd": measured(k[0], k[1], [k[1] / 1000, 1.5]),
+            },
+            CONNECTORS,
+        )
+        for s, k in pairs
+    ]
+
+
+def test_targets_are_judged_on_the_medians_with_the_runs_that_met_each() -> None:
+    report = repeated_report(three_runs(), {}, {}, stale_reads=False, released=False)
+    assert report["medians"]["kvd"]["req_s"] == 2.1
+    assert report["medians"]["kvd"]["ttft_max"] == 1500.0
+    throughput = report["targets"][0]
+    assert throughput["met"] and throughput["runs_met"] == 2
+    assert abs(throughput["ratio"] - 1.05) < 1e-9
+
+
+def test_the_table_names_misses_failures_and_what_the_machine_did() -> None:
+    runs = three_runs()
+    runs[1]["kvd"]["failed"] = 2
+    runs[2]["stock"]["worst_stall_s"] = 3.0
+    report = repeated_report(
+        runs, {"kvd": {"equal": 16, "of": 16}}, {"kvd serve": "on 0"}, stale_reads=True,
+        released=False,
+    )  # fmt: skip
+    args = argparse.Namespace(
+        num_prompts=24, input_len=600, output_len=48, concurrency=4, prefill_block=32,
+        decode_block=64,
+    )  # fmt: skip
+    text = "\n".join(table(report, args))
+    assert "medians of 3 runs" in text
+    assert "met    request throughput >= 1.0x stock: 1.05x (2 of 3 runs)" in text
+    assert "failed requests: stock 0, kvd 2" in text
+    assert "greedy text equal to a single instance's, kvd: 16 of 16" in text
+    assert "kept a ready thread off its core for 3.0s" in text
+    assert "reads of blocks past their lease" in text
+    assert "left its cache attached to kvd" in text
+
+
+def test_bad_sizes_are_usage_errors_naming_the_option() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "kvd", "bench", "serve", "--concurrency", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert "--concurrency: must be at least 1, not 0" in done.stderr
