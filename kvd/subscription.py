@@ -215,6 +215,18 @@ class _ReplayAnswer:
             self.frames.append((seq, payload))
 
 
+@dataclass(slots=True)
+class _InFlight:
+    """A replay asked for and not yet answered: its socket, what came so far, the daemon epoch
+    it was asked of, and when it counts as unanswered (``time.monotonic()``)."""
+
+    gap: _Gap
+    sock: Any
+    answer: _ReplayAnswer
+    epoch: int | None
+    deadline: float
+
+
 class _Replays:
     _check: Callable[[], None] | None
     _endpoints: Endpoints
@@ -261,8 +273,12 @@ class Subscription(_Replays, Iterator[Delivery]):
         self._resync_ms = int(resync_interval * 1000)
         self._heard = time.monotonic()
         """When the SUB socket last brought something, or kvd was last asked (resync)."""
+        self._timeout_s = timeout
+        self._inflight: _InFlight | None = None
         self._sub = ctx.socket(zmq.SUB)
         _configure_sub(self._sub, endpoints, self._order.topics)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sub, zmq.POLLIN)
         # Learn the daemon's epoch and each topic's newest seq now: later events are then
         # delivered even if the SUB connection is still being set up when they are published.
         # Replays from ``from_seq`` wait for the first poll, which may raise EventsLost.
@@ -285,22 +301,40 @@ class Subscription(_Replays, Iterator[Delivery]):
 
         ``poll(0)`` on an empty subscription is one non-blocking socket poll (plus, once per
         resync interval of silence, the replay that asks kvd whether anything is newer).
+
+        One replay is in flight at a time, and live events keep coming while it is: an event
+        in order is delivered at once, whatever a replay still waits for (a kvd slow to answer
+        one, on a starved core, no longer holds back the events it did publish). A replay with
+        no answer in ``timeout`` raises ``ReplayError`` and is asked again by the next poll.
         """
         deadline = time.monotonic() + timeout
         order = self._order
         while True:
-            self._replay_all(order.pending)
             if order.ready:
                 return order.ready.popleft()
+            if self._inflight is None and order.pending:
+                self._start_replay(order.pending.popleft())
+                continue  # an answer may already be ready, or ``replayed`` queued events
+            now = time.monotonic()
+            waits = [deadline - now, self._heard + self._resync_ms / 1000 - now]
+            if self._inflight is not None:
+                waits.append(self._inflight.deadline - now)
             # Rounded up: a deadline a fraction of a millisecond away is still a wait.
-            wait_ms = max(0, math.ceil((deadline - time.monotonic()) * 1000))
-            if self._sub.poll(min(wait_ms, self._resync_ms)):
+            wait_ms = max(0, math.ceil(min(waits) * 1000))
+            ready = dict(self._poller.poll(wait_ms))
+            if self._sub in ready:
                 self._heard = time.monotonic()
                 gap = order.live(*self._sub.recv_multipart())
                 if gap is not None:
-                    self._replay(gap)
+                    order.pending.append(gap)
+                continue
+            if self._inflight is not None and self._inflight.sock in ready:
+                self._take_answer()
                 continue
             now = time.monotonic()
+            if self._inflight is not None and now >= self._inflight.deadline:
+                gap = self._end_replay().gap
+                raise self._no_answer(gap)
             if now - self._heard >= self._resync_ms / 1000:
                 # Silent for a resync interval: ask kvd. Not at every empty poll: a
                 # subscriber may poll with no wait in a loop, and a replay is a round trip.
@@ -309,11 +343,37 @@ class Subscription(_Replays, Iterator[Delivery]):
             elif now >= deadline:
                 return None
 
-    def _replay_all(self, gaps: deque[_Gap]) -> None:
-        while gaps:
-            self._replay(gaps.popleft())
+    def _start_replay(self, gap: _Gap) -> None:
+        sock = _replay_socket(self._ctx, self._endpoints)
+        sock.send(_replay_request(gap))
+        self._inflight = _InFlight(
+            gap, sock, _ReplayAnswer(), self._order.epoch, time.monotonic() + self._timeout_s
+        )
+        self._poller.register(sock, zmq.POLLIN)
+
+    def _end_replay(self) -> _InFlight:
+        inflight = self._inflight
+        assert inflight is not None
+        self._inflight = None
+        self._poller.unregister(inflight.sock)
+        inflight.sock.close()
+        return inflight
+
+    def _take_answer(self) -> None:
+        inflight = self._inflight
+        assert inflight is not None
+        while inflight.answer.end is None and inflight.sock.poll(0):
+            inflight.answer.take(inflight.sock.recv_multipart())
+        if inflight.answer.end is None:
+            return
+        self._end_replay()
+        if inflight.epoch != self._order.epoch:
+            # Asked of a daemon since replaced: its restart replays every topic anew.
+            return
+        self._order.replayed(inflight.gap, inflight.answer.frames, inflight.answer.end)
 
     def _replay(self, gap: _Gap) -> None:
+        """One replay, waited for (at creation, before any live event counts)."""
         sock = _replay_socket(self._ctx, self._endpoints)
         answer = _ReplayAnswer()
         try:
@@ -327,6 +387,8 @@ class Subscription(_Replays, Iterator[Delivery]):
         self._order.replayed(gap, answer.frames, answer.end)
 
     def close(self) -> None:
+        if self._inflight is not None:
+            self._end_replay()
         self._sub.close()
 
     def __enter__(self) -> Subscription:
