@@ -487,7 +487,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--nixl-progress-thread",
         action="store_true",
-        help="keep NIXL's progress thread in every server (it polls with no pause: a core each)",
+        help="keep NIXL's progress thread where vLLM starts it (it polls with no pause: a core "
+        "each); kvd's decode follows its kvd_nixl_progress_thread (off on CPU)",
     )
     parser.add_argument("--keep", metavar="DIR", help="work in DIR and keep its logs and results")
     parser.add_argument("--json", action="store_true", help="print one JSON object")

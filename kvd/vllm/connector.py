@@ -33,11 +33,15 @@ else kvd's default runtime directory for the worker's rank; an unreachable kvd i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import re
+import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -101,6 +105,46 @@ class KvdConnectorError(RuntimeError):
     """The decode worker cannot use kvd; the message says what to change."""
 
 
+def nixl_progress_thread(setting: object, device_type: str) -> bool:
+    """``kvd_nixl_progress_thread``: ``auto`` (the default: off on CPU, on elsewhere), or a
+    boolean. NIXL's Python API starts its progress thread polling with no pause: from the
+    first transfer on it keeps a core busy, idle or not, and vLLM's CPU worker leaves it on the
+    CPU its engine threads do not use, where kvd runs. On CPU the engine progresses its agent
+    in its own steps, which it takes while any request waits for its READs."""
+    if setting in ("auto", None):
+        return device_type != "cpu"
+    if isinstance(setting, bool):
+        return setting
+    if str(setting).lower() in ("true", "false"):
+        return str(setting).lower() == "true"
+    raise KvdConnectorError(f"kvd_nixl_progress_thread: {setting!r} is not auto, true or false")
+
+
+@contextlib.contextmanager
+def nixl_agents(worker: type, *, progress_thread: bool) -> Iterator[None]:
+    """While vLLM's NIXL worker ``worker`` starts: its agent without NIXL's progress thread
+    unless ``progress_thread``. The worker builds its agent's config with the
+    ``nixl_agent_config`` of its module (None where NIXL is not installed)."""
+    module = next(
+        (
+            m
+            for c in worker.__mro__
+            if (m := sys.modules.get(c.__module__)) is not None
+            and getattr(m, "nixl_agent_config", None) is not None
+        ),
+        None,
+    )
+    if progress_thread or module is None:
+        yield
+        return
+    original = module.nixl_agent_config
+    setattr(module, "nixl_agent_config", functools.partial(original, enable_prog_thread=False))  # noqa: B010
+    try:
+        yield
+    finally:
+        setattr(module, "nixl_agent_config", original)  # noqa: B010
+
+
 class KvdWorker(NixlPullConnectorWorker):
     """A NIXL pull worker whose received blocks kvd post-processes.
 
@@ -110,13 +154,17 @@ class KvdWorker(NixlPullConnectorWorker):
     """
 
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
-        super().__init__(vllm_config, engine_id, kv_cache_config)
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        progress_thread = nixl_progress_thread(
+            extra.get("kvd_nixl_progress_thread", "auto"), vllm_config.device_config.device_type
+        )
+        with nixl_agents(type(self), progress_thread=progress_thread):
+            super().__init__(vllm_config, engine_id, kv_cache_config)
         if missing := missing_attributes(self, WORKER_ATTRIBUTES):
             raise KvdConnectorError(
                 f"vLLM {_nixl.version}: its NIXL worker has no {', '.join(missing)}, which "
                 "kvd.vllm reads (this vLLM is newer than kvd.vllm knows)"
             )
-        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         found = resolve_runtime_dir(extra.get("kvd_runtime_dir") or None, gpu=str(self.tp_rank))
         assert found is not None  # no explicit endpoints: always a directory
         self.kvd_dir = found

@@ -10,6 +10,7 @@ scratch directory, so ``kvd serve`` and the connector meet in a runtime director
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -19,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -48,8 +50,6 @@ def section(name: str) -> str:
 
 
 def healthy(url: str) -> bool:
-    import urllib.request
-
     with contextlib.suppress(OSError), urllib.request.urlopen(url + "/health", timeout=5) as r:
         return bool(r.status == 200)
     return False
@@ -61,7 +61,29 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def recipe(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+def stock(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A stock decode server of the recipe's block size, started before the recipe's servers
+    move any KV: from its first transfer, NIXL's progress thread polls a core in the recipe's
+    stock prefill, and a server starting beside it waits for CPU."""
+    args = argparse.Namespace(nixl_progress_thread=False, concurrency=4, prefix_caching=True)
+    server = Server(
+        tmp_path_factory.mktemp("stock"),
+        name="decode-stock",
+        model=model,
+        args=args,
+        block_size=64,
+        transfer={
+            "kv_connector": "NixlConnector",
+            "kv_role": "kv_consumer",
+            "kv_load_failure_policy": "recompute",
+        },
+    )
+    yield server
+    server.kill()
+
+
+@pytest.fixture(scope="module")
+def recipe(model: Path, stock: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The recipe's processes, started by the README's block itself; their runtime dir."""
     for port in PORTS:
         with socket.socket() as s:
@@ -86,6 +108,7 @@ def recipe(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pa
                 assert proc.poll() is None, f"the recipe exited:\n{tail}"
                 assert time.monotonic() < deadline, f"{url} did not start:\n{tail}"
                 time.sleep(1)
+        stock.wait_ready()
         yield runtime / "kvd" / "0"
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -112,39 +135,20 @@ def test_kvd_decodes_the_single_instances_text(recipe: Path, model: Path) -> Non
     assert check["equal"] == check["of"], check
 
 
-def test_a_stock_decode_decodes_other_text(recipe: Path, model: Path, tmp_path: Path) -> None:
+def test_a_stock_decode_decodes_other_text(recipe: Path, model: Path, stock: Server) -> None:
     """The same block sizes with vLLM's own decode: its CPU merge scrambles K and V."""
-    import argparse
-    import urllib.request
 
-    args = argparse.Namespace(nixl_progress_thread=True, concurrency=4, prefix_caching=True)
-    stock = Server(
-        tmp_path,
-        name="decode-stock",
-        model=model,
-        args=args,
-        block_size=64,
-        transfer={
-            "kv_connector": "NixlConnector",
-            "kv_role": "kv_consumer",
-            "kv_load_failure_policy": "recompute",
-        },
-    )
-    switch = urllib.request.Request(
-        PROXY + "/decode",
-        data=json.dumps({"url": stock.url}).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        stock.wait_ready()
-        urllib.request.urlopen(switch, timeout=30).close()
-        check = greedy_check(PROXY, PREFILL, model, check_prompts(3), max_tokens=16)
-    finally:
-        back = urllib.request.Request(
+    def switch(url: str) -> None:
+        request = urllib.request.Request(
             PROXY + "/decode",
-            data=json.dumps({"url": "http://127.0.0.1:8200"}).encode(),
+            data=json.dumps({"url": url}).encode(),
             headers={"Content-Type": "application/json"},
         )
-        urllib.request.urlopen(back, timeout=30).close()
-        stock.kill()
+        urllib.request.urlopen(request, timeout=30).close()
+
+    switch(stock.url)
+    try:
+        check = greedy_check(PROXY, PREFILL, model, check_prompts(3), max_tokens=16)
+    finally:
+        switch("http://127.0.0.1:8200")
     assert check["equal"] < check["of"], "stock vLLM's CPU merge decoded the single text"
