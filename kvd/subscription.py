@@ -231,8 +231,26 @@ class _Replays:
     _check: Callable[[], None] | None
     _endpoints: Endpoints
     _timeout_ms: int
-
+    _inflight: _InFlight | None
+    _poller: Any
     _order: _Ordering
+
+    def _end_replay(self) -> _InFlight:
+        inflight = self._inflight
+        assert inflight is not None
+        self._inflight = None
+        self._poller.unregister(inflight.sock)
+        inflight.sock.close()
+        return inflight
+
+    def _answered(self, inflight: _InFlight) -> None:
+        """A replay's whole answer came: queue what it brought (may raise EventsLost)."""
+        assert inflight.answer.end is not None
+        self._end_replay()
+        if inflight.epoch != self._order.epoch:
+            # Asked of a daemon since replaced: its restart replays every topic anew.
+            return
+        self._order.replayed(inflight.gap, inflight.answer.frames, inflight.answer.end)
 
     def _no_answer(self, gap: _Gap) -> ReplayError:
         """The error for a replay that got no answer: ``KvdUnavailable`` (raised by ``check``)
@@ -351,26 +369,13 @@ class Subscription(_Replays, Iterator[Delivery]):
         )
         self._poller.register(sock, zmq.POLLIN)
 
-    def _end_replay(self) -> _InFlight:
-        inflight = self._inflight
-        assert inflight is not None
-        self._inflight = None
-        self._poller.unregister(inflight.sock)
-        inflight.sock.close()
-        return inflight
-
     def _take_answer(self) -> None:
         inflight = self._inflight
         assert inflight is not None
         while inflight.answer.end is None and inflight.sock.poll(0):
             inflight.answer.take(inflight.sock.recv_multipart())
-        if inflight.answer.end is None:
-            return
-        self._end_replay()
-        if inflight.epoch != self._order.epoch:
-            # Asked of a daemon since replaced: its restart replays every topic anew.
-            return
-        self._order.replayed(inflight.gap, inflight.answer.frames, inflight.answer.end)
+        if inflight.answer.end is not None:
+            self._answered(inflight)
 
     def _replay(self, gap: _Gap) -> None:
         """One replay, waited for (at creation, before any live event counts)."""
@@ -402,7 +407,8 @@ class AsyncSubscription(_Replays, AsyncIterator[Delivery]):
     """The asyncio flavour of ``Subscription`` (``async for``; may raise EventsLost and go on).
 
     The baseline replay of explicit topics happens on the first ``__anext__``; events published
-    between construction and then are still delivered (found by the idle resync).
+    between construction and then are still delivered (found by the idle resync). Later replays
+    are in flight one at a time while live events keep coming, as in ``Subscription``.
     """
 
     def __init__(
@@ -422,22 +428,57 @@ class AsyncSubscription(_Replays, AsyncIterator[Delivery]):
         self._endpoints = endpoints
         self._timeout_ms = int(timeout * 1000)
         self._resync_ms = int(resync_interval * 1000)
+        self._timeout_s = timeout
+        self._inflight = None
+        self._heard = time.monotonic()
         self._sub = ctx.socket(zmq.SUB)
         _configure_sub(self._sub, endpoints, self._order.topics)
+        self._poller = zmq.asyncio.Poller()
+        self._poller.register(self._sub, zmq.POLLIN)
 
     async def __anext__(self) -> Delivery:
         order = self._order
+        # The baseline first, waited for, as ``Subscription`` does at creation.
+        while order.pending and order.pending[0].from_seq is None:
+            await self._replay(order.pending.popleft())
         while True:
-            while order.pending:
-                await self._replay(order.pending.popleft())
             if order.ready:
                 return order.ready.popleft()
-            if await self._sub.poll(self._resync_ms):
+            if self._inflight is None and order.pending:
+                await self._start_replay(order.pending.popleft())
+                continue
+            now = time.monotonic()
+            waits = [self._heard + self._resync_ms / 1000 - now]
+            if self._inflight is not None:
+                waits.append(self._inflight.deadline - now)
+            ready = dict(await self._poller.poll(max(0, math.ceil(min(waits) * 1000))))
+            if self._sub in ready:
+                self._heard = time.monotonic()
                 gap = order.live(*await self._sub.recv_multipart())
                 if gap is not None:
-                    await self._replay(gap)
-            else:
+                    order.pending.append(gap)
+                continue
+            inflight = self._inflight
+            if inflight is not None and inflight.sock in ready:
+                while inflight.answer.end is None and await inflight.sock.poll(0):
+                    inflight.answer.take(await inflight.sock.recv_multipart())
+                if inflight.answer.end is not None:
+                    self._answered(inflight)
+                continue
+            now = time.monotonic()
+            if inflight is not None and now >= inflight.deadline:
+                raise self._no_answer(self._end_replay().gap)
+            if now - self._heard >= self._resync_ms / 1000:
+                self._heard = now
                 order.pending.extend(order.resync())
+
+    async def _start_replay(self, gap: _Gap) -> None:
+        sock = _replay_socket(self._ctx, self._endpoints)
+        await sock.send(_replay_request(gap))
+        self._inflight = _InFlight(
+            gap, sock, _ReplayAnswer(), self._order.epoch, time.monotonic() + self._timeout_s
+        )
+        self._poller.register(sock, zmq.POLLIN)
 
     async def _replay(self, gap: _Gap) -> None:
         sock = _replay_socket(self._ctx, self._endpoints)
@@ -453,4 +494,6 @@ class AsyncSubscription(_Replays, AsyncIterator[Delivery]):
         self._order.replayed(gap, answer.frames, answer.end)
 
     def close(self) -> None:
+        if self._inflight is not None:
+            self._end_replay()
         self._sub.close()

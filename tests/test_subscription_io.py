@@ -8,6 +8,7 @@ replays at once and then stops answering, while it keeps publishing.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,10 +16,11 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
+import zmq.asyncio
 
 from kvd.endpoints import Endpoints
 from kvd.protocol import END_SEQ, Ready, Replay, ReplayEnd, encode_seq
-from kvd.subscription import ReplayError, Subscription
+from kvd.subscription import AsyncSubscription, ReplayError, Subscription
 
 EPOCH = 11
 
@@ -108,6 +110,35 @@ def test_a_replay_kvd_answers_late_does_not_hold_back_published_events(
         with pytest.raises(ReplayError, match="no replay answer"):
             for _ in range(20):
                 sub.poll(0.5)
+    finally:
+        sub.close()
+        ctx.term()
+
+
+async def test_the_async_flavour_delivers_published_events_past_an_unanswered_replay(
+    publisher: Publisher,
+) -> None:
+    ctx = zmq.asyncio.Context()
+    sub = AsyncSubscription(ctx, publisher.endpoints, ["c"], timeout=3.0, resync_interval=0.05)
+    try:
+        publisher.publish(0)  # nobody hears it: the SUB connection is not there yet
+        first = asyncio.ensure_future(sub.__anext__())
+        # The baseline is answered; then silence, and the resync replay goes unanswered.
+        while publisher.asked < 2:
+            await asyncio.sleep(0.01)
+        publisher.answering.clear()
+        while publisher.asked < 3:
+            await asyncio.sleep(0.01)
+        for _ in range(200):
+            publisher.publish(1)
+            done, _ = await asyncio.wait({first}, timeout=0.05)
+            if done:
+                break
+        received = first.result()
+        assert (received.topic, received.seq, received.event.req_id) == ("c", 1, "r1")
+        with pytest.raises(ReplayError, match="no replay answer"):
+            for _ in range(20):
+                await asyncio.wait_for(sub.__anext__(), timeout=5)
     finally:
         sub.close()
         ctx.term()
