@@ -30,9 +30,12 @@ from kvd.endpoints import (
     read_endpoints,
 )
 from kvd.protocol import (
+    GROUPS_VERSION,
+    PROTOCOL_VERSION,
     Attach,
     Attached,
     BatchWindow,
+    BlockGroup,
     Configure,
     Configured,
     ControlReply,
@@ -146,7 +149,10 @@ def read_done_message(
     remote_engine_id: str = "",
     covered_sub_blocks: int = 0,
     generation: int = 0,
+    groups: Sequence[tuple[int, int]] = (),
 ) -> bytes:
+    """A ReadDone's frame; ``groups``: (blocks, covered_sub_blocks) of each KV cache group of a
+    hybrid model, splitting ``block_ids`` in order (sent as protocol version 2)."""
     return _ENCODER.encode(
         ReadDone(
             req_id=req_id,
@@ -159,6 +165,8 @@ def read_done_message(
             remote_engine_id=remote_engine_id,
             covered_sub_blocks=covered_sub_blocks,
             generation=generation,
+            groups=[BlockGroup(num_blocks=n, covered_sub_blocks=c) for n, c in groups],
+            v=GROUPS_VERSION if groups else PROTOCOL_VERSION,
         )
     )
 
@@ -346,6 +354,7 @@ class Client:
         remote_engine_id: str = "",
         covered_sub_blocks: int = 0,
         generation: int = 0,
+        groups: Sequence[tuple[int, int]] = (),
     ) -> None:
         """Tell kvd the READs of ``req_id`` landed in ``block_ids``; the answer is an event.
 
@@ -367,6 +376,7 @@ class Client:
                 remote_engine_id=remote_engine_id,
                 covered_sub_blocks=covered_sub_blocks,
                 generation=generation,
+                groups=groups,
             )
         )
 
@@ -539,6 +549,7 @@ class AsyncClient:
         remote_engine_id: str = "",
         covered_sub_blocks: int = 0,
         generation: int = 0,
+        groups: Sequence[tuple[int, int]] = (),
     ) -> None:
         """As ``Client.read_done``."""
         if cache_id not in self._caches.ids:
@@ -555,6 +566,7 @@ class AsyncClient:
                 remote_engine_id=remote_engine_id,
                 covered_sub_blocks=covered_sub_blocks,
                 generation=generation,
+                groups=groups,
             )
         )
 

@@ -16,6 +16,9 @@ from typing import Annotated, Final, Literal
 import msgspec
 
 PROTOCOL_VERSION: Final = 1
+GROUPS_VERSION: Final = 2
+"""The ``v`` of a ``ReadDone`` that lists ``groups``: a kvd that does not know them refuses it
+(``unsupported_version``) instead of rewriting every group as one. kvd takes both."""
 
 # Event frames are (topic, seq, payload) with seq an unsigned 64-bit big-endian integer.
 # A replay answer ends with a frame whose seq is END_SEQ and whose payload is a ReplayEnd.
@@ -363,6 +366,19 @@ ControlReply = (
 # Ingest socket (PULL; clients PUSH): one-way notifications from the engine worker.
 
 
+class BlockGroup(msgspec.Struct, omit_defaults=True, gc=False, kw_only=True):
+    """One KV cache group's part of a ``ReadDone``'s ``physical_block_ids``.
+
+    A hybrid model (sliding-window and full-attention layers) keeps one block list per KV cache
+    group, all from one block pool: each group's READ covers its own blocks, so each group has
+    its own coverage. ``num_blocks`` ids of the request's list, after the earlier groups';
+    ``covered_sub_blocks`` as the ``ReadDone`` field, counted from the group's first block.
+    """
+
+    num_blocks: NonNegative
+    covered_sub_blocks: NonNegative = 0
+
+
 class ReadDone(_Message, tag="read_done", kw_only=True):
     """The NIXL READs of one request have finished; its blocks need the post-process.
 
@@ -379,6 +395,11 @@ class ReadDone(_Message, tag="read_done", kw_only=True):
     is how many remote blocks the READ filled, counted from the request's first local block (as
     vLLM's NIXL worker counts them: ``min(len(local) * ratio, len(remote))``): the tokens past
     them in the block they end in, and every later listed block, are zeroed, as vLLM does.
+
+    ``groups``, when given (with ``v`` = ``GROUPS_VERSION``), splits ``physical_block_ids`` into
+    the request's KV cache groups, in order, each with its own coverage; the top-level
+    ``covered_sub_blocks`` is then 0. The request is one notification: one outcome for every
+    group, a Ready only when every group is rewritten.
     """
 
     req_id: ReqId
@@ -391,6 +412,7 @@ class ReadDone(_Message, tag="read_done", kw_only=True):
     remote_format: FormatRef | None = None
     covered_sub_blocks: NonNegative = 0
     generation: NonNegative = 0
+    groups: list[BlockGroup] = []
 
 
 class ReadFailed(_Message, tag="read_failed"):

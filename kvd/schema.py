@@ -160,6 +160,21 @@ def golden_messages() -> dict[str, tuple[str, Any]]:
                 remote_block_size=16,
             ),
         ),
+        "read_done_groups": (
+            "ingest",
+            p.ReadDone(
+                req_id="req-4",
+                cache_id="engine0",
+                remote_format="cpu_attn_vec",
+                physical_block_ids=[9, 4, 5, 6],
+                remote_block_size=16,
+                groups=[
+                    p.BlockGroup(num_blocks=1, covered_sub_blocks=2),
+                    p.BlockGroup(num_blocks=3, covered_sub_blocks=5),
+                ],
+                v=p.GROUPS_VERSION,
+            ),
+        ),
         "read_failed": (
             "ingest",
             p.ReadFailed(

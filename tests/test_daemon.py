@@ -782,3 +782,38 @@ def test_a_replay_that_timed_out_is_tried_again_at_the_next_poll(
     finally:
         sub.close()
         ctx.term()
+
+
+def test_a_hybrid_request_rewrites_each_group_with_its_own_coverage(client: Client) -> None:
+    """A ReadDone with ``groups`` (a sliding-window and a full-attention group of one request)
+    leaves the blocks as two single-group ReadDones do on a twin cache: each group merged at
+    ratio 2 and zeroed past its own coverage, one Ready for the request. The same ids as one
+    group, covered as the second group, would zero the first group's last block too."""
+    caches = [
+        ShmCache.create(
+            num_layers=1, num_blocks=8, block_size=8, num_heads=2, head_dim=4, layout="NHD"
+        )
+        for _ in range(2)
+    ]
+    try:
+        ids = {"a": unique("hybrid"), "b": unique("twin")}
+        for cache_id, cache in zip(ids.values(), caches, strict=True):
+            client.attach(cache_id, cache.specs)
+            fill(cache, 11)
+        sub = client.subscribe(list(ids.values()))
+        common = {"remote_layout": "HND", "block_size_ratio": 2}
+        # Group 0 (sliding window): blocks 6, 1, all 4 sub-blocks landed; group 1: 3, 5, 2 of 4.
+        client.read_done("r", ids["a"], [6, 1, 3, 5], groups=[(2, 4), (2, 2)], **common)
+        client.read_done("g0", ids["b"], [6, 1], covered_sub_blocks=4, **common)
+        client.read_done("g1", ids["b"], [3, 5], covered_sub_blocks=2, **common)
+        events = by_req(collect(sub, 3))
+        assert all(isinstance(e, Ready) for e in events.values()), events
+        assert events["r"].physical_block_ids == [6, 1, 3, 5]
+        assert same_bytes(caches[0].tensors[0], caches[1].tensors[0])
+        assert caches[0].tensors[0][:, 1].any(), "group 0's last block was zeroed"
+        for cache_id in ids.values():
+            client.detach(cache_id)
+        sub.close()
+    finally:
+        for cache in caches:
+            cache.close()

@@ -11,7 +11,7 @@ from kvd.daemon.attach import open_cache
 from kvd.daemon.ledger import Ledger
 from kvd.daemon.registry import ROUTES_PER_CACHE, AttachedCache, Owner, Registry
 from kvd.daemon.validate import Rejection, Route, validate_read_done
-from kvd.protocol import Attach, Layout, ReadDone, Reason
+from kvd.protocol import GROUPS_VERSION, Attach, BlockGroup, Layout, ReadDone, Reason
 from kvd.shm import ShmCache
 
 CPU = torch.device("cpu")
@@ -93,3 +93,51 @@ def test_a_peer_naming_ever_new_block_sizes_leaves_the_routes_bounded(
     assert len(cache.routes) <= ROUTES_PER_CACHE
     newest = cache.routes[(None, "NHD", 0, 16 * (4 * ROUTES_PER_CACHE - 1))]
     assert isinstance(newest, Route) and newest.pages == 4 * ROUTES_PER_CACHE - 1
+
+
+def test_groups_split_the_block_ids_and_each_fits_on_its_own(
+    attached: tuple[Registry, AttachedCache],
+) -> None:
+    """A hybrid request's ``groups`` (v 2) must count exactly its block ids, and each group's
+    blocks and coverage must fit the route as a whole request's would."""
+    registry, _ = attached
+    ledger = Ledger()
+
+    def grouped(req_id: str, ids: list[int], groups: list[tuple[int, int]], **kw: int) -> ReadDone:
+        return ReadDone(
+            req_id=req_id, cache_id="c", remote_layout="HND", physical_block_ids=ids,
+            block_size_ratio=2, v=GROUPS_VERSION,
+            groups=[BlockGroup(num_blocks=n, covered_sub_blocks=c) for n, c in groups], **kw,
+        )  # fmt: skip
+
+    ok = validate_read_done(grouped("a", [0, 1, 2], [(1, 2), (2, 3)]), registry, ledger)
+    assert isinstance(ok, Route) and ok.any_work([(1, 2), (2, 3)])
+    cases = {
+        "groups: they count 2 blocks, physical_block_ids lists 3": grouped(
+            "b", [0, 1, 2], [(1, 0), (1, 0)]
+        ),
+        "groups[1].covered_sub_blocks: 5 is not in [0, 4]": grouped(
+            "c", [0, 1, 2], [(1, 0), (2, 5)]
+        ),
+        "covered_sub_blocks: with groups": grouped("d", [0], [(1, 1)], covered_sub_blocks=1),
+        "groups: a ReadDone lists groups exactly when its v is 2 (v 1, 1 groups)": ReadDone(
+            req_id="e",
+            cache_id="c",
+            remote_layout="HND",
+            physical_block_ids=[0],
+            groups=[BlockGroup(num_blocks=1)],
+        ),
+        "groups: a ReadDone lists groups exactly when its v is 2 (v 2, 0 groups)": ReadDone(
+            req_id="f", cache_id="c", remote_layout="HND", physical_block_ids=[0], v=2
+        ),
+    }
+    for text, msg in cases.items():
+        verdict = validate_read_done(msg, registry, ledger)
+        assert isinstance(verdict, Rejection) and verdict.code == Reason.INVALID_MESSAGE, text
+        assert verdict.message.startswith(text), verdict.message
+    three = validate_read_done(
+        ReadDone(req_id="g", cache_id="c", remote_layout="HND", physical_block_ids=[0], v=3),
+        registry,
+        ledger,
+    )
+    assert isinstance(three, Rejection) and three.code == Reason.UNSUPPORTED_VERSION

@@ -37,8 +37,12 @@ MAX_MODEL_LEN = 1024
 """The longest wait for an instance to start or a prefill to come back."""
 
 
-def make_model(directory: Path, seed: int = 0) -> Path:
-    """A 2-layer Llama (4 heads, 2 KV heads, head_dim 64, vocab 4096), seeded random weights."""
+def make_model(directory: Path, seed: int = 0, *, sliding_window: int = 0) -> Path:
+    """A 2-layer Llama (4 heads, 2 KV heads, head_dim 64, vocab 4096), seeded random weights.
+
+    With ``sliding_window`` (tokens) a hybrid model: layer 0 attends to that window only
+    (``layer_types``, as Gemma 3 and gpt-oss name theirs), layer 1 to everything, so vLLM
+    gives it two KV cache groups."""
     import torch
     from safetensors.torch import save_file
 
@@ -62,6 +66,9 @@ def make_model(directory: Path, seed: int = 0) -> Path:
         "tie_word_embeddings": False,
         "torch_dtype": "float32",
     }
+    if sliding_window:
+        config["layer_types"] = ["sliding_attention", "full_attention"]
+        config["sliding_window"] = sliding_window
     (directory / "config.json").write_text(json.dumps(config, indent=1))
     (directory / "generation_config.json").write_text('{"bos_token_id": 1, "eos_token_id": 2}')
     g = torch.Generator().manual_seed(seed)

@@ -52,6 +52,9 @@ class Request(msgspec.Struct, kw_only=True, eq=False, gc=False):
     remote_engine_id: str
     received_ns: int
     covered_sub_blocks: int = 0
+    groups: list[tuple[int, int]] | None = None
+    """(blocks, covered_sub_blocks) of each KV cache group, splitting ``physical_block_ids`` in
+    order (a hybrid model's ReadDone); None: one group, covered by ``covered_sub_blocks``."""
     state: State = State.ACCEPTED
     error: tuple[str, str] | None = None
     """(code, message) when the post-process failed; set when the request reaches DONE."""
@@ -59,6 +62,17 @@ class Request(msgspec.Struct, kw_only=True, eq=False, gc=False):
     @property
     def key(self) -> Key:
         return (self.cache_id, self.req_id)
+
+    def parts(self) -> list[tuple[list[int], int]]:
+        """(block ids, covered_sub_blocks) of each KV cache group: what the kernels rewrite."""
+        ids = self.physical_block_ids
+        if self.groups is None:
+            return [(ids, self.covered_sub_blocks)]
+        parts, start = [], 0
+        for blocks, covered in self.groups:
+            parts.append((ids[start : start + blocks], covered))
+            start += blocks
+        return parts
 
     def launch_record(self) -> Launch:
         return Launch(

@@ -31,7 +31,15 @@ from kvd.daemon.metrics import Metrics
 from kvd.daemon.publisher import Publisher
 from kvd.daemon.registry import Registry
 from kvd.daemon.timers import WindowTimer
-from kvd.daemon.validate import InFlight, Rejection, Repeat, Route, identify, validate_read_done
+from kvd.daemon.validate import (
+    InFlight,
+    Rejection,
+    Repeat,
+    Route,
+    identify,
+    parts,
+    validate_read_done,
+)
 from kvd.daemon.window import AutoWindow
 from kvd.protocol import (
     UNATTACHED_TOPIC,
@@ -167,7 +175,7 @@ class Pipeline:
                 self._known_or_refused(msg, verdict)
         elif not self.accepting:
             self._reject(msg, Reason.SHUTTING_DOWN, "kvd is draining")
-        elif not verdict.needs_work(msg.covered_sub_blocks, len(msg.physical_block_ids)):
+        elif not verdict.any_work(parts(msg)):
             self._answer_at_once(msg, received_ns)
         else:
             request = Request(
@@ -180,6 +188,7 @@ class Pipeline:
                 remote_engine_id=msg.remote_engine_id,
                 received_ns=received_ns,
                 covered_sub_blocks=msg.covered_sub_blocks,
+                groups=[(g.num_blocks, g.covered_sub_blocks) for g in msg.groups] or None,
             )
             self.ledger.accept(request)
             self.ledger.advance(request, State.BATCHED)
@@ -353,7 +362,7 @@ class Pipeline:
                 self.ledger.advance(request, State.LAUNCHED)
                 metrics.queue_wait.observe((now - request.received_ns) / 1e9)
             rewrites = cache.rewrites(batch.remote_format, batch.remote_block_size)
-            requests = [(r.physical_block_ids, r.covered_sub_blocks) for r in batch.requests]
+            requests = [part for r in batch.requests for part in r.parts()]
             items.append(WorkItem(batch, rewrites, requests, batch.num_blocks * cache.work_bytes))
             metrics.batch_blocks.observe(batch.num_blocks)
             metrics.batches.value += 1

@@ -28,7 +28,15 @@ from kvd.layout.geometry import (
     preview,
     resolve_remote_block_size,
 )
-from kvd.protocol import PROTOCOL_VERSION, FormatRef, Layout, ReadDone, ReadFailed, Reason
+from kvd.protocol import (
+    GROUPS_VERSION,
+    PROTOCOL_VERSION,
+    FormatRef,
+    Layout,
+    ReadDone,
+    ReadFailed,
+    Reason,
+)
 
 _BLOCK_ID_REASONS: dict[BlockIdFault, Reason] = {
     "out_of_range": Reason.BLOCK_OUT_OF_RANGE,
@@ -86,6 +94,10 @@ class Route:
             return False
         return self.moves_bytes or 0 < covered < num_ids // self.pages * self.remote_pages
 
+    def any_work(self, parts: list[tuple[int, int]]) -> bool:
+        """``needs_work`` for any (blocks, covered_sub_blocks) part of a request."""
+        return any(self.needs_work(covered, num_ids) for num_ids, covered in parts)
+
 
 Verdict = Route | Rejection | Repeat | InFlight
 
@@ -122,13 +134,25 @@ def _stale(msg: ReadDone | ReadFailed, newest: int) -> Rejection:
     )
 
 
+def parts(msg: ReadDone) -> list[tuple[int, int]]:
+    """(blocks, covered_sub_blocks) of each KV cache group ``msg`` names (one without
+    ``groups``)."""
+    if not msg.groups:
+        return [(len(msg.physical_block_ids), msg.covered_sub_blocks)]
+    return [(g.num_blocks, g.covered_sub_blocks) for g in msg.groups]
+
+
 def validate_read_done(msg: ReadDone, registry: Registry, ledger: Ledger) -> Verdict:
     """The verdict on ``msg``: known, acceptable (its route), or refused."""
-    if msg.v != PROTOCOL_VERSION:
+    if msg.v not in (PROTOCOL_VERSION, GROUPS_VERSION):
         return Rejection(
             Reason.UNSUPPORTED_VERSION,
-            f"v: protocol version {msg.v} is not supported (this kvd speaks {PROTOCOL_VERSION})",
+            f"v: protocol version {msg.v} is not supported (this kvd speaks "
+            f"{PROTOCOL_VERSION}, and {GROUPS_VERSION} for a ReadDone with groups)",
         )
+    broken_groups = _groups_problem(msg)
+    if broken_groups is not None:
+        return Rejection(Reason.INVALID_MESSAGE, broken_groups)
     known = identify(msg, ledger)
     if known is not None:
         return known
@@ -150,12 +174,16 @@ def validate_read_done(msg: ReadDone, registry: Registry, ledger: Ledger) -> Ver
     if bad is not None:
         return Rejection(_BLOCK_ID_REASONS[bad.fault], f"physical_block_ids: {bad}")
     # One local block per group and all of it covered (the common case) always fits.
-    if found.pages > 1 or msg.covered_sub_blocks:
-        broken = group_problem(len(ids), msg.covered_sub_blocks, found.pages, found.remote_pages)
-        if broken is not None:
-            field, why = broken
-            code = Reason.INVALID_RATIO if field == "physical_block_ids" else Reason.INVALID_MESSAGE
-            return Rejection(code, f"{field}: {why}")
+    if found.pages > 1 or msg.covered_sub_blocks or msg.groups:
+        for i, (num_ids, covered) in enumerate(parts(msg)):
+            broken = group_problem(num_ids, covered, found.pages, found.remote_pages)
+            if broken is not None:
+                field, why = broken
+                whole = field == "physical_block_ids"
+                code = Reason.INVALID_RATIO if whole else Reason.INVALID_MESSAGE
+                if msg.groups:
+                    return Rejection(code, f"groups[{i}].{'num_blocks' if whole else field}: {why}")
+                return Rejection(code, f"{field}: {why}")
     busy = ledger.busy_blocks(msg.cache_id, ids)
     if busy:
         return Rejection(
@@ -163,6 +191,26 @@ def validate_read_done(msg: ReadDone, registry: Registry, ledger: Ledger) -> Ver
             f"physical_block_ids: blocks {preview(busy)} belong to a request still in flight",
         )
     return found
+
+
+def _groups_problem(msg: ReadDone) -> str | None:
+    """Why ``msg``'s ``groups`` do not split its ``physical_block_ids``; None when they do."""
+    if bool(msg.groups) != (msg.v == GROUPS_VERSION):
+        return (
+            f"groups: a ReadDone lists groups exactly when its v is {GROUPS_VERSION} "
+            f"(v {msg.v}, {len(msg.groups)} groups)"
+        )
+    if not msg.groups:
+        return None
+    if msg.covered_sub_blocks:
+        return "covered_sub_blocks: with groups, each group's coverage is its own (give 0 here)"
+    listed = sum(g.num_blocks for g in msg.groups)
+    if listed != len(msg.physical_block_ids):
+        return (
+            f"groups: they count {listed} blocks, physical_block_ids lists "
+            f"{len(msg.physical_block_ids)}"
+        )
+    return None
 
 
 def route(cache: AttachedCache, msg: ReadDone) -> Route | Rejection:

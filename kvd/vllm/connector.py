@@ -59,6 +59,7 @@ from kvd.cpus import CpuListError, format_cpus
 from kvd.dtypes import dtype_name
 from kvd.protocol import CACHE_ID_MAX, Event, MemoryRef, ShmRef, TensorSpec
 from kvd.vllm.formats import UnknownFormat, page_format, remote_page_format
+from kvd.vllm.groups import GroupError, distinct_regions, request_groups, transfer_groups
 from kvd.vllm.holding import Held, Holding, Released, covered_sub_blocks
 from kvd.vllm.hooks import (
     WORKER_ATTRIBUTES,
@@ -170,11 +171,10 @@ class KvdWorker(NixlPullConnectorWorker):
         self.kvd_dir = found
         self.down_timeout_s = float(extra.get("kvd_down_timeout_s", DOWN_TIMEOUT_S))
         self._stats_path = extra.get("kvd_stats_path")
-        if len(kv_cache_config.kv_cache_groups) != 1:
-            raise KvdConnectorError(
-                f"kvd.vllm supports one KV cache group, this model has "
-                f"{len(kv_cache_config.kv_cache_groups)} (a hybrid model)"
-            )
+        try:
+            self._groups = transfer_groups(kv_cache_config, self.block_size)
+        except GroupError as exc:
+            raise KvdConnectorError(str(exc)) from None
         self.cache_id = _CACHE_ID.sub("-", f"vllm.{engine_id}.{self.tp_rank}")[:CACHE_ID_MAX]
         self._timeout_s = float(extra.get("kvd_timeout_s", 2.0))
         self.kvd = Client(self.kvd_dir, timeout=self._timeout_s)
@@ -286,13 +286,13 @@ class KvdWorker(NixlPullConnectorWorker):
             ) from exc
 
     def _tensor_specs(self, kv_caches: dict[str, torch.Tensor]) -> list[TensorSpec]:
-        """One spec per distinct layer tensor (layers that share a cache share its bytes)."""
+        """One spec per distinct region (layers that share a cache share its bytes)."""
         specs = []
-        seen: set[int] = set()
-        for name, tensor in kv_caches.items():
-            if tensor.data_ptr() in seen:
-                continue
-            seen.add(tensor.data_ptr())
+        try:
+            regions = distinct_regions(kv_caches)
+        except GroupError as exc:
+            raise KvdConnectorError(str(exc)) from None
+        for name, tensor in regions:
             # [B, H, N, C]; an MLA cache has H = 1 and C one latent vector, not K then V.
             _, heads, block_size, content = tensor.shape
             dtype = dtype_name(tensor.dtype)
@@ -342,6 +342,12 @@ class KvdWorker(NixlPullConnectorWorker):
             split = split_remote_pages(nixl_agent_meta, self.block_size)
         except SplitError as exc:
             raise KvdConnectorError(f"prefill engine {engine_id!r}: {exc}") from exc
+        if split > 1 and len(self._groups) > 1:
+            raise KvdConnectorError(
+                f"prefill engine {engine_id!r}: blocks of {block_size} tokens into blocks of "
+                f"{self.block_size} with a hybrid model ({len(self._groups)} KV cache groups) "
+                "are not supported yet"
+            )
         if split > 1 and self.kv_transfer_config.kv_load_failure_policy != "recompute":
             raise KvdConnectorError(
                 f"prefill engine {engine_id!r}: blocks of {block_size} tokens into blocks of "
@@ -454,7 +460,25 @@ class KvdWorker(NixlPullConnectorWorker):
         remote_format, remote_block_size = self._remotes[engine_id]
         covered: int | None
         covered_range = None
-        if split_read is None:
+        groups: tuple[tuple[int, int], ...] = ()
+        why_not = ""
+        if len(self._groups) > 1:
+            ratio = max(1, self.block_size // remote_block_size)
+            ranges = getattr(meta, "covered_sub_blocks", None) or ()
+            parts = request_groups(
+                self._groups,
+                meta.local_physical_block_ids,
+                [len(ids) for ids in meta.remote.block_ids],
+                ratio,
+                ranges,
+            )
+            if isinstance(parts, str):
+                local, covered, why_not = [], None, parts
+            else:
+                local = [b for ids, _ in parts for b in ids]
+                groups = tuple((len(ids), c) for ids, c in parts)
+                covered = 0
+        elif split_read is None:
             local = meta.local_physical_block_ids[0]
             ratio = max(1, self.block_size // remote_block_size)
             # vLLM 0.34 records the sub-blocks its READ covered (pairing blocks from the last
@@ -470,7 +494,9 @@ class KvdWorker(NixlPullConnectorWorker):
         if state is State.GONE or covered is None:
             # No kvd to wait for, or landed blocks a ReadDone cannot describe: vLLM recomputes.
             why = "kvd is gone"
-            if covered is None:
+            if why_not:
+                why = why_not
+            elif covered is None:
                 why = (
                     f"its READ filled sub-blocks {covered_range or 'none'}, which no ReadDone says"
                     if covered_range is not None
@@ -488,6 +514,7 @@ class KvdWorker(NixlPullConnectorWorker):
             remote_format=remote_format,
             covered_sub_blocks=covered,
             remote_engine_id=engine_id,
+            groups=groups,
         )
         self._holding.hold(held)
         if state is State.UP and not link.send(_read_done(self.cache_id, held)):
@@ -589,6 +616,7 @@ def _read_done(cache_id: str, held: Held) -> bytes:
         remote_block_size=held.remote_block_size,
         covered_sub_blocks=held.covered_sub_blocks,
         remote_engine_id=held.remote_engine_id,
+        groups=held.groups,
     )
 
 

@@ -25,6 +25,9 @@ class Held:
     remote_format: str
     covered_sub_blocks: int
     remote_engine_id: str
+    groups: tuple[tuple[int, int], ...] = ()
+    """A hybrid model's (blocks, covered_sub_blocks) per KV cache group, splitting
+    ``block_ids``; empty for one group."""
     sent_at: float = field(default_factory=time.monotonic)
 
 

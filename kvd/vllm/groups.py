@@ -1,0 +1,161 @@
+"""A hybrid model's KV cache groups in vLLM's NIXL pull path: pure logic, no sockets.
+
+A hybrid model (Gemma 3, gpt-oss: sliding-window and full-attention layers) has one KV cache
+group per kind of layer, all drawing blocks from one pool and, when their pages are the same
+size, from the same tensors: a block id names one group's page in every tensor. A request's
+READ fills each group's blocks apart, so each group has its own coverage, and kvd is told
+every group of a request in one ReadDone (``groups``): one outcome for the request.
+
+vLLM 0.32 clips a sliding-window group to its in-window tail on each side and pairs the two
+lists from their first blocks, so the prefill's pages land in the right local blocks only when
+both tails start at the same token. At 32 -> 64 with a 32-token window they do (one local block
+of 64 tokens, two remote blocks of 32: ``tests/vllm/test_hybrid.py``); kvd checks it for every
+request from the full-attention group's lengths, and a request whose tails start apart is
+recomputed: no rewrite of pages moves bytes between blocks.
+
+State groups (Mamba, whose blocks are one running state, not tokens) and the other kinds of
+group are refused by name at startup: kvd has no test here that proves their pages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from kvd.vllm.holding import covered_sub_blocks
+
+GroupKind = Literal["full", "sliding_window"]
+
+
+class GroupError(ValueError):
+    """A KV cache group kvd.vllm does not take; the message names it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    kind: GroupKind
+    block_size: int
+    layers: tuple[str, ...]
+
+
+def transfer_groups(kv_cache_config: Any, block_size: int) -> list[Group]:
+    """The groups of ``kv_cache_config`` (vLLM's ``KVCacheConfig``) whose blocks NIXL moves,
+    checked: attention groups, full or sliding-window, all with the worker's block size."""
+    groups = getattr(kv_cache_config, "transfer_groups", None)
+    if groups is None:
+        groups = kv_cache_config.kv_cache_groups
+    found = []
+    for i, group in enumerate(groups):
+        spec = group.kv_cache_spec
+        names = {cls.__name__ for cls in type(spec).__mro__}
+        layers = tuple(group.layer_names)
+        shown = f"KV cache group {i} ({type(spec).__name__}: {', '.join(layers[:4])})"
+        kind: GroupKind
+        if "SlidingWindowSpec" in names:
+            kind = "sliding_window"
+        elif "FullAttentionSpec" in names and "SinkFullAttentionSpec" not in names:
+            kind = "full"
+        else:
+            raise GroupError(
+                f"{shown}: kvd.vllm takes full-attention and sliding-window groups; a state "
+                "(Mamba) or other group's pages are not proven here"
+            )
+        if spec.block_size != block_size:
+            raise GroupError(
+                f"{shown}: blocks of {spec.block_size} tokens, the worker's are {block_size} "
+                "(groups of differing block sizes are not supported yet)"
+            )
+        found.append(Group(kind, spec.block_size, layers))
+    return found
+
+
+def request_groups(
+    groups: Sequence[Group],
+    local: Sequence[Sequence[int]],
+    remote_counts: Sequence[int],
+    ratio: int,
+    ranges: Sequence[range | None] = (),
+) -> list[tuple[list[int], int]] | str:
+    """(local block ids, covered_sub_blocks) of each group of one request, as a ReadDone's
+    ``groups`` say them; or why no ReadDone can say them (the request is then recomputed).
+
+    ``local``: the request's local blocks per group (vLLM's ``local_physical_block_ids``);
+    ``remote_counts``: how many remote blocks each group read; ``ratio``: nD / nP (>= 1);
+    ``ranges``: vLLM 0.34's covered ranges per group, where it records them.
+    """
+    full = next((g for g, group in enumerate(groups) if group.kind == "full"), None)
+    parts: list[tuple[list[int], int]] = []
+    for g, group in enumerate(groups):
+        blocks = [int(b) for b in local[g]]
+        if not blocks:
+            parts.append((blocks, 0))
+            continue
+        if group.kind == "sliding_window" and not _window_aligned(
+            len(blocks),
+            remote_counts[g],
+            ratio,
+            full=full,
+            local=local,
+            remote_counts=remote_counts,
+        ):
+            return (
+                f"group {g} (sliding window): vLLM paired its last {len(blocks)} local blocks "
+                f"with the prefill's last {remote_counts[g]} (ratio {ratio}) from different "
+                "first tokens"
+            )
+        covered = covered_sub_blocks(
+            len(blocks), ratio, remote_counts[g], ranges[g] if g < len(ranges) else None
+        )
+        if covered is None:
+            return f"group {g}: its READ filled sub-blocks no ReadDone says"
+        parts.append((blocks, covered))
+    return parts
+
+
+def _window_aligned(
+    num_local: int,
+    num_remote: int,
+    ratio: int,
+    *,
+    full: int | None,
+    local: Sequence[Sequence[int]],
+    remote_counts: Sequence[int],
+) -> bool:
+    """Whether a sliding-window group's local and remote lists start at the same token, in
+    remote blocks: a full-attention group of the same request holds every block on both
+    sides, so the window's lists end where the full group's do."""
+    if full is None:
+        return ratio == 1 and num_local == num_remote
+    local_start = (len(local[full]) - num_local) * ratio
+    remote_start = remote_counts[full] - num_remote
+    return local_start == remote_start
+
+
+def distinct_regions(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """One (layer name, tensor) per memory region the layers' KV caches view, in order.
+
+    Layers of a hybrid model's groups share tensors: such views are one region, kvd attaches
+    it once. A region is keyed by its address, block length and strides, never by its address
+    alone (vLLM #57661: regions merged by address corrupted DeepSeek-V4.1): layers that view
+    one address with different geometry are refused, naming them.
+    """
+    seen: dict[int, tuple[str, tuple[Any, ...]]] = {}
+    regions = []
+    for name, tensor in tensors.items():
+        key = (tuple(tensor.shape), tensor.stride(), tensor.dtype)
+        first = seen.get(tensor.data_ptr())
+        if first is None:
+            seen[tensor.data_ptr()] = (name, key)
+            regions.append((name, tensor))
+        elif first[1] != key:
+            block_bytes = tensor.stride(0) * tensor.element_size()
+            raise GroupError(
+                f"layers {first[0]!r} and {name!r} view one region at {tensor.data_ptr():#x} "
+                f"differently (shape {first[1][0]} strides {first[1][1]} {first[1][2]}; shape "
+                f"{key[0]} strides {key[1]} {key[2]}, {block_bytes} bytes a block): kvd "
+                "cannot rewrite both"
+            )
+    return regions

@@ -1,0 +1,77 @@
+"""A hybrid model's KV cache groups in kvd.vllm (``kvd.vllm.groups``): pure logic.
+
+The groups are vLLM's own spec classes (skipped where vLLM is not importable); the pairing
+rules and the region keys need no vLLM.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from kvd.vllm.groups import Group, GroupError, distinct_regions, request_groups, transfer_groups
+
+FULL = Group("full", 32, ("model.layers.1.self_attn.attn",))
+WINDOW = Group("sliding_window", 32, ("model.layers.0.self_attn.attn",))
+
+
+def config(*specs: Any) -> Any:
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+
+    groups = [KVCacheGroupSpec([f"layer.{i}"], spec) for i, spec in enumerate(specs)]
+    return SimpleNamespace(transfer_groups=tuple(groups))
+
+
+def test_attention_groups_are_taken_and_state_groups_refused_by_name() -> None:
+    spec = pytest.importorskip("vllm.v1.kv_cache_interface")
+    common = {"num_kv_heads": 2, "head_size": 64, "dtype": torch.float32}
+    full = spec.FullAttentionSpec(block_size=32, **common)
+    window = spec.SlidingWindowSpec(block_size=32, sliding_window=32, **common)
+    found = transfer_groups(config(window, full), 32)
+    assert [g.kind for g in found] == ["sliding_window", "full"]
+    assert found[0].layers == ("layer.0",)
+    with pytest.raises(GroupError, match=r"KV cache group 1 \(FullAttentionSpec: layer.1\): "):
+        transfer_groups(config(window, spec.FullAttentionSpec(block_size=64, **common)), 32)
+    mamba = spec.MambaSpec(
+        block_size=32, shapes=((4, 8),), dtypes=(torch.float32,), mamba_cache_mode="none"
+    )
+    with pytest.raises(GroupError, match=r"group 1 \(MambaSpec: layer.1\): .* state \(Mamba\)"):
+        transfer_groups(config(full, mamba), 32)
+
+
+def test_each_group_has_its_own_coverage() -> None:
+    # 32 -> 32: a 300-token prompt, window blocks 8, 9 of 10; the full group all 10.
+    window = [50, 51]
+    full = list(range(10, 20))
+    assert request_groups([WINDOW, FULL], [window, full], [2, 10], 1) == [
+        (window, 2),
+        (full, 10),
+    ]
+    # 32 -> 64 for a 40-token prompt: one local block each, both windows start at token 0.
+    assert request_groups([WINDOW, FULL], [[7], [8]], [2, 2], 2) == [([7], 2), ([8], 2)]
+    # An empty group (a window the request never reached) names no block.
+    assert request_groups([WINDOW, FULL], [[], [8]], [0, 1], 2) == [([], 0), ([8], 1)]
+
+
+def test_windows_paired_from_different_first_tokens_are_recomputed() -> None:
+    """32 -> 64, a 300-token prompt: the decode's window holds local blocks 3, 4 (tokens 192
+    on), the prefill's remote blocks 8, 9 (tokens 256 on): vLLM lands 8 in block 3."""
+    why = request_groups([WINDOW, FULL], [[3, 4], list(range(5))], [2, 10], 2)
+    assert isinstance(why, str) and why.startswith("group 0 (sliding window): vLLM paired")
+    # Without a full-attention group nothing says where the window starts: only 1:1 pairs.
+    assert request_groups([WINDOW], [[3, 4]], [2], 1) == [([3, 4], 2)]
+    assert isinstance(request_groups([WINDOW], [[3]], [2], 2), str)
+
+
+def test_regions_are_keyed_by_address_and_geometry() -> None:
+    pool = torch.zeros(4 * 2 * 32 * 128)
+    shared = pool.view(4, 2, 32, 128)
+    regions = distinct_regions({"l0": shared, "l1": pool.view(4, 2, 32, 128), "l2": shared})
+    assert [name for name, _ in regions] == ["l0"]
+    other = torch.zeros(4, 2, 32, 128)
+    assert [n for n, _ in distinct_regions({"l0": shared, "l1": other})] == ["l0", "l1"]
+    with pytest.raises(GroupError, match=r"layers 'l0' and 'l1' view one region at 0x"):
+        distinct_regions({"l0": shared, "l1": pool.view(8, 2, 16, 128)})

@@ -1,0 +1,107 @@
+"""A hybrid model (a sliding-window and a full-attention layer: two KV cache groups) through a
+real vLLM 0.32 prefill/decode pair on CPU, kvd and stock side by side.
+
+The model is the tiny seeded Llama with ``layer_types`` (window 32 tokens), as Gemma 3 and
+gpt-oss name their layers; vLLM gives it two KV cache groups on one shared tensor. Each decode
+request's ReadDone carries both groups (``groups``), and kvd rewrites each with its own
+coverage: at 32 -> 64 the window group reads one local block from two remote ones, the full
+group up to five from ten. A request whose window vLLM paired from different first tokens would
+be recomputed (``kvd.vllm.groups``); none is here.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm is not installed (pip install -e '.[vllm]')")
+
+from kvd.bench.vllm import Prefill
+from kvd.bench.vllm_engine import make_model, prompts
+from kvd.client import Client
+from kvd.daemon_process import DaemonProcess
+from tests.vllm.test_larger_prefill_blocks import REFUSAL, recomputed
+from tests.vllm.test_pd import MAX_TOKENS, Setup
+
+WINDOW = 32
+PAIRED_APART = re.compile(r"\(sliding window\): vLLM paired")
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+    """Stock prefill instances with blocks of 32 and 64, and the single-instance baseline."""
+    work = tmp_path_factory.mktemp("vllm-hybrid")
+    model = make_model(work / "tiny-hybrid", sliding_window=WINDOW)
+    prefills = {str(n): Prefill(work, model, "NixlConnector", None, n) for n in (32, 64)}
+    try:
+        for server in prefills.values():
+            server.wait_ready()
+        request = {"op": "baseline", "prompts": prompts(), "max_tokens": MAX_TOKENS}
+        yield Setup(work, model, prefills, prefills["32"].call(request))
+    finally:
+        for server in prefills.values():
+            server.kill()
+
+
+@pytest.fixture(scope="module")
+def kvd() -> Iterator[DaemonProcess]:
+    with DaemonProcess() as daemon:
+        yield daemon
+
+
+def counters(kvd: DaemonProcess) -> dict[str, int]:
+    with Client(kvd.runtime_dir) as client:
+        return client.status().counters
+
+
+def test_kvd_decodes_a_hybrid_model_like_the_single_instance_at_equal_blocks(
+    hybrid: Setup, kvd: DaemonProcess
+) -> None:
+    """32 -> 32: every request's two groups in one ReadDone each, all Ready, no recompute."""
+    before = counters(kvd)
+    result = hybrid.decode("32", 32, extra={"kvd_runtime_dir": str(kvd.runtime_dir)})
+    assert hybrid.mismatches(result) == [], result["log"]
+    after = counters(kvd)
+    assert after["ready"] - before["ready"] >= 4, "kvd did not answer the decode's requests"
+    assert after["failed"] == before["failed"]
+    assert recomputed(Path(result["log_file"]).read_text()) == (0, 0)
+
+
+def test_kvd_merges_a_hybrid_model_like_the_single_instance(
+    hybrid: Setup, kvd: DaemonProcess
+) -> None:
+    """32 -> 64: kvd merges both groups' pages, each zeroed past its own coverage; every
+    request and the control decode the single instance's tokens, none is recomputed."""
+    before = counters(kvd)
+    result = hybrid.decode("32", 64, extra={"kvd_runtime_dir": str(kvd.runtime_dir)})
+    log = Path(result["log_file"]).read_text()
+    assert hybrid.mismatches(result) == [], result["log"]
+    after = counters(kvd)
+    assert after["ready"] - before["ready"] >= 4, "kvd did not answer the decode's requests"
+    assert after["blocks_processed"] > before["blocks_processed"], "kvd merged no block"
+    assert not PAIRED_APART.findall(log) and recomputed(log) == (0, 0), result["log"]
+
+
+def test_kvd_refuses_larger_prefill_blocks_for_a_hybrid_model(
+    hybrid: Setup, kvd: DaemonProcess
+) -> None:
+    """64 -> 32: refused at the handshake by name, every request recomputed."""
+    result = hybrid.decode("64", 32, extra={"kvd_runtime_dir": str(kvd.runtime_dir)})
+    log = Path(result["log_file"]).read_text()
+    assert "with a hybrid model (2 KV cache groups) are not supported yet" in log
+    assert hybrid.mismatches(result, control=False) == [], result["log"]
+
+
+def test_stock_vllm_on_the_hybrid_model(hybrid: Setup) -> None:
+    """Stock vLLM 0.32, recorded for docs/vllm.md's table: right at 32 -> 32, every token
+    wrong at 32 -> 64 (no error), 64 -> 32 refused at the handshake and recomputed."""
+    same = hybrid.decode("32", 32, connector="NixlConnector", module=None)
+    assert hybrid.mismatches(same) == [], same["log"]
+    merged = hybrid.decode("32", 64, connector="NixlConnector", module=None)
+    assert len(hybrid.mismatches(merged)) == 4, "stock vLLM's hybrid 32 -> 64 is now right"
+    larger = hybrid.decode("64", 32, connector="NixlConnector", module=None)
+    assert REFUSAL in Path(larger["log_file"]).read_text()
+    assert hybrid.mismatches(larger, control=False) == [], larger["log"]
