@@ -326,7 +326,8 @@ def run(args: argparse.Namespace) -> int:
         )
         work.mkdir(parents=True, exist_ok=True)
         model = make_tokenizer(make_model(work / "model"))
-        daemon = stack.enter_context(pinned_daemon(KVD_CORE))
+        # Beside three vLLM servers starting, kvd's torch import alone can take a minute.
+        daemon = stack.enter_context(pinned_daemon(KVD_CORE, timeout=START_S))
         assert daemon.proc is not None
         kvd_pid = daemon.proc.pid
         stats_path = work / "kvd-connector-stats.json"

@@ -79,11 +79,12 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def pinned_daemon(core: int) -> Iterator[DaemonProcess]:
-    """``kvd serve`` on ``core``: it inherits this process's affinity while it starts."""
+def pinned_daemon(core: int, timeout: float = 30.0) -> Iterator[DaemonProcess]:
+    """``kvd serve`` on ``core``: it inherits this process's affinity while it starts; it must
+    answer within ``timeout`` seconds."""
     daemon = DaemonProcess()
     with spawning_on(frozenset({core} & _ALL_CORES or _ALL_CORES)):
-        daemon.start()
+        daemon.start(timeout)
     try:
         yield daemon
     finally:
