@@ -33,6 +33,34 @@ def zmq_io_threads(pid: int | str = "self") -> list[int]:
     return threads
 
 
+def _status_kib(pid: int, key: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{key}:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {key} in /proc/{pid}/status")
+
+
+def rss_mib(pid: int) -> float:
+    """Process ``pid``'s resident memory now (VmRSS), MiB."""
+    return _status_kib(pid, "VmRSS") / 1024
+
+
+def peak_rss_mib(pid: int) -> float:
+    """The most resident memory process ``pid`` had since it started or since the last
+    ``reset_peak_rss`` (VmHWM), MiB: a peak no sampling can miss."""
+    return _status_kib(pid, "VmHWM") / 1024
+
+
+def reset_peak_rss(pid: int) -> None:
+    """Start ``peak_rss_mib`` again from the resident memory now (Linux 4.0+)."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+
+def open_fds(pid: int) -> int:
+    """How many descriptors process ``pid`` has open."""
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
 def collect(sub: Subscription, count: int, timeout: float = 30.0) -> list[Delivery]:
     """The next ``count`` deliveries, polling until a deadline (never a fixed sleep)."""
     out: list[Delivery] = []

@@ -30,7 +30,7 @@ from kvd.daemon.registry import Owner, Registry
 from kvd.daemon.sockets import FD_RESERVE
 from kvd.daemon_process import DaemonProcess
 from kvd.protocol import UNATTACHED_TOPIC, Attach, Failed, Ready, Replay
-from tests.daemon_helpers import collect, wait_for
+from tests.daemon_helpers import collect, open_fds, rss_mib, wait_for
 
 UNIT = Path(__file__).parent.parent / "systemd" / "kvd@.service"
 
@@ -125,10 +125,6 @@ def nofile(soft: int, hard: int) -> Iterator[None]:
         yield
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, before)
-
-
-def open_fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
 
 
 def test_a_thousand_idle_peers_cannot_exhaust_kvds_descriptors(short_tmp: Path) -> None:
@@ -267,13 +263,6 @@ while True:
 """
 
 
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
-
-
 def test_a_stopped_subscriber_costs_kvd_at_most_its_queue(short_tmp: Path) -> None:
     queue_mib = 1
     env = {
@@ -325,3 +314,79 @@ def test_a_stopped_subscriber_costs_kvd_at_most_its_queue(short_tmp: Path) -> No
             assert subscriber.stdout is not None
             subscriber.stdout.close()
         cache.close()
+
+
+# -- engines that restart ------------------------------------------------------------------------
+
+RESTARTING_ENGINE = """
+import os, signal, sys
+from kvd.client import Client
+from kvd.protocol import ShmRef, TensorSpec
+
+runtime_dir, name, n = sys.argv[1:4]
+shape = [2, 32, 16, 4, 64]
+fd = os.open(f"/dev/shm/{name}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+os.posix_fallocate(fd, 0, 2 * 32 * 16 * 4 * 64 * 2)
+spec = TensorSpec(name="layer.0", shape=shape, dtype="bfloat16", layout="NHD",
+                  kv_arrangement="split", block_size=16, memory=ShmRef(name=name))
+client = Client(runtime_dir)
+client.attach("e0", [spec], engine_id="engine-a")
+os.unlink(f"/dev/shm/{name}")  # kvd holds it open: the engine, killed, leaves no file behind
+for req_id, blocks in ((f"full-{n}", range(16)), (f"wait-{n}", [20])):
+    client.read_done(req_id, "e0", list(blocks), remote_layout="HND", block_size_ratio=1)
+print("sent", flush=True)
+signal.pause()
+"""
+
+
+@pytest.mark.slow
+def test_a_hundred_engine_restarts_leave_kvds_descriptors_where_they_were(
+    short_tmp: Path, tmp_path: Path
+) -> None:
+    """Each engine is SIGKILLed with a request launched and one waiting in the batch window; the
+    next, with the same engine_id, takes its cache over, and the last one's lease runs out.
+
+    On main the executor's thread held on to its last job, and with it the mapping of a cache
+    detached since: one descriptor more, and the segment's pages kept, after the last left."""
+    script = tmp_path / "engine.py"
+    script.write_text(RESTARTING_ENGINE)
+    restarts = 100
+    windowed = ("--batch-window-us", "1000000", "--max-batch-blocks", "16")
+    with (
+        DaemonProcess(*windowed, "--engine-lease-s", "2", runtime_dir=short_tmp) as daemon,
+        daemon.client() as client,
+        ShmCache.create(num_layers=1, num_blocks=4, block_size=16, num_heads=1, head_dim=8) as c,
+    ):
+        assert daemon.proc is not None
+        pid = daemon.proc.pid
+        client.attach("warm-up", c.specs)  # kvd's torch and kernels load with its first Attach
+        client.detach("warm-up")
+        sub = client.subscribe(["e0"], from_seq=1)
+        assert sub.poll(0.1) is None
+        before = open_fds(pid)
+        for n in range(restarts):
+            name = f"kvd-restart-{os.getpid()}-{n}"
+            engine = subprocess.Popen(
+                [sys.executable, str(script), str(daemon.runtime_dir), name, str(n)],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            try:
+                assert engine.stdout is not None
+                assert engine.stdout.readline() == "sent\n", f"engine {n} failed"
+                wait_for(lambda n=n: client.request_status(f"wait-{n}", "e0").state != "unknown")
+            finally:
+                engine.kill()
+                engine.wait()
+                if engine.stdout is not None:
+                    engine.stdout.close()
+                Path(f"/dev/shm/{name}").unlink(missing_ok=True)
+        wait_for(lambda: not client.status().caches, timeout=30)  # the last one's lease ran out
+        events = collect(sub, 2 * restarts)
+        assert len({d.event.req_id for d in events}) == 2 * restarts, "one event per request"
+        assert sub.poll(0.2) is None
+        # Every cache and connection of the engines is gone: kvd holds what it held before.
+        with contextlib.suppress(AssertionError):
+            wait_for(lambda: open_fds(pid) == before, timeout=10)
+        assert open_fds(pid) == before, f"{open_fds(pid)} descriptors open, {before} before"
+        sub.close()
