@@ -30,7 +30,15 @@ from kvd.daemon.registry import Owner, Registry
 from kvd.daemon.sockets import FD_RESERVE
 from kvd.daemon_process import DaemonProcess
 from kvd.protocol import UNATTACHED_TOPIC, Attach, Failed, Ready, Replay
-from tests.daemon_helpers import collect, open_fds, rss_mib, wait_for
+from tests.daemon_helpers import (
+    RawPeer,
+    collect,
+    open_fds,
+    peak_rss_mib,
+    reset_peak_rss,
+    rss_mib,
+    wait_for,
+)
 
 UNIT = Path(__file__).parent.parent / "systemd" / "kvd@.service"
 
@@ -203,6 +211,45 @@ def test_replay_peers_that_do_not_read_delay_no_one(short_tmp: Path) -> None:
         for sock in stalled:
             sock.close()
         ctx.term()
+
+
+# -- an oversized replay request ----------------------------------------------------------------
+
+HUGE_FRAME = 128 << 20
+
+
+def test_an_oversized_replay_request_closes_its_connection_unread(short_tmp: Path) -> None:
+    """On main the replay socket's limit was set after the socket was bound, which ZMQ ignores:
+    a 128 MiB frame was read whole (kvd's RSS peak +256 MiB) to be answered invalid_message."""
+    cache = ShmCache.create(
+        num_layers=1, num_blocks=8, block_size=8, num_heads=2, head_dim=16, layout="NHD"
+    )
+    try:
+        with DaemonProcess(runtime_dir=short_tmp) as daemon, daemon.client() as client:
+            assert daemon.proc is not None
+            pid = daemon.proc.pid
+            client.attach("honest", cache.specs)  # torch and the kernels load with it
+            sub = client.subscribe(["honest"], from_seq=1)
+            reset_peak_rss(pid)
+            before = rss_mib(pid)
+            peer = RawPeer(daemon.endpoints().replay, "DEALER")
+            try:
+                peer.send(b"\x82" + bytes(HUGE_FRAME))  # the start of a msgpack map, then junk
+                assert peer.closed_by_kvd(), "kvd read the frame and kept the connection"
+            finally:
+                peer.close()
+            grown = peak_rss_mib(pid) - before
+            assert grown < 16, f"kvd's RSS peaked {grown:.0f} MiB above where it was"
+            # Honest subscribers are served: events, and replays.
+            client.read_done("after", "honest", [1], remote_layout="NHD", block_size_ratio=1)
+            (delivery,) = collect(sub, 1)
+            assert isinstance(delivery.event, Ready), delivery.event
+            with client.subscribe(["honest"], from_seq=1) as again:
+                (replayed,) = collect(again, 1)
+                assert replayed.event.req_id == "after"
+            sub.close()
+    finally:
+        cache.close()
 
 
 # -- a huge Attach -------------------------------------------------------------------------------
