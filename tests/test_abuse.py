@@ -6,6 +6,7 @@ shared memory. Every accepted notification still gets exactly one event, and kvd
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
 import os
 import re
@@ -23,13 +24,13 @@ import pytest
 import torch
 import zmq
 
-from kvd.client import Client, ShmCache, read_done_message
+from kvd.client import Client, KvdError, ShmCache, read_done_message
 from kvd.daemon.attach import open_cache
 from kvd.daemon.memory import Span
 from kvd.daemon.registry import Owner, Registry
 from kvd.daemon.sockets import FD_RESERVE
 from kvd.daemon_process import DaemonProcess
-from kvd.protocol import UNATTACHED_TOPIC, Attach, Failed, Ready, Replay
+from kvd.protocol import UNATTACHED_TOPIC, Attach, Failed, Ready, Replay, ShmRef, TensorSpec
 from tests.daemon_helpers import (
     RawPeer,
     collect,
@@ -250,6 +251,72 @@ def test_an_oversized_replay_request_closes_its_connection_unread(short_tmp: Pat
             sub.close()
     finally:
         cache.close()
+
+
+# -- a sparse segment ---------------------------------------------------------------------------
+
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 1, 2
+
+
+def allocated(fd: int) -> int:
+    """Bytes of the file behind ``fd`` that /dev/shm has allocated (RAM)."""
+    return os.fstat(fd).st_blocks * 512
+
+
+def punch_hole(fd: int, offset: int, length: int) -> None:
+    """Free the file's pages in [offset, offset + length): reading them gives zeros again."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    flags = _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE
+    if libc.fallocate(fd, flags, offset, length):
+        raise OSError(ctypes.get_errno(), "fallocate(PUNCH_HOLE)")
+
+
+def test_kvd_allocates_no_shared_memory_the_engine_did_not(short_tmp: Path) -> None:
+    """On main kvd faulted in every page of an attached segment for writing: a 64 MiB segment
+    the engine never wrote (a sparse file) went from 0 to 64 MiB allocated, RAM the engine never
+    reserved. Now a segment with holes is refused at Attach, and one given holes after Attach
+    fails its requests untouched."""
+    size, num_blocks = 64 << 20, 4096  # K and V pages of 8 KiB: 16 tokens, 4 heads of 64
+    name = f"kvd-sparse-{os.getpid()}"
+    spec = TensorSpec(
+        name="layer.0",
+        shape=[2, num_blocks, 16, 4, 64],
+        dtype="bfloat16",
+        layout="NHD",
+        kv_arrangement="split",
+        block_size=16,
+        memory=ShmRef(name=name),
+    )
+    fd = os.open(f"/dev/shm/{name}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        with DaemonProcess(runtime_dir=short_tmp) as daemon, daemon.client() as client:
+            refused = rf"memory_unavailable: tensors\[0\]\.memory: /dev/shm/{name} is sparse"
+            with pytest.raises(KvdError, match=rf"{refused}: 0 of its {size} bytes are allocated"):
+                client.attach("sparse", [spec])
+            assert allocated(fd) == 0
+            os.pwrite(fd, b"\1" * (size // 2), 0)  # the engine wrote half of it
+            with pytest.raises(KvdError, match=rf"{refused}: {size // 2} of its {size} bytes"):
+                client.attach("sparse", [spec])
+            assert allocated(fd) == size // 2
+            assert client.status().caches == []
+
+            os.posix_fallocate(fd, 0, size)  # reserved whole: attached
+            client.attach("whole", [spec])
+            sub = client.subscribe(["whole"], from_seq=1)
+            punch_hole(fd, 0, 1 << 20)  # the engine frees the K pages of blocks 0..127
+            client.read_done("holes", "whole", [1, 2], remote_layout="HND", block_size_ratio=1)
+            (delivery,) = collect(sub, 1)
+            failed = delivery.event
+            assert isinstance(failed, Failed) and failed.code == "memory_unavailable", failed
+            assert f"/dev/shm/{name} is sparse: {size - (1 << 20)} of" in failed.message
+            assert "after Attach: its blocks were not touched" in failed.message
+            assert allocated(fd) == size - (1 << 20), "kvd allocated the hole's pages"
+            sub.close()
+    finally:
+        os.close(fd)
+        os.unlink(f"/dev/shm/{name}")
 
 
 # -- a huge Attach -------------------------------------------------------------------------------
