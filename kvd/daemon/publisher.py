@@ -24,6 +24,7 @@ from itertools import islice
 import msgspec
 import zmq
 
+from kvd.daemon.logs import clipped
 from kvd.daemon.metrics import Counter
 from kvd.daemon.sockets import raw_send
 from kvd.protocol import END_SEQ, Event, Reason, Replay, ReplayEnd, encode_seq
@@ -283,7 +284,7 @@ class ReplayServer:
                 newest_seq=0,
                 epoch=self._epoch,
                 code=Reason.INVALID_MESSAGE,
-                message=str(exc)[:1000],
+                message=clipped(str(exc)),
             )
             self._answers.append(_Answer(envelope, b"", [], self._encoder.encode(end)))
             return
