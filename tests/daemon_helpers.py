@@ -61,6 +61,19 @@ def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def settle(pid: int, timeout: float = 10.0) -> None:
+    """Wait until process ``pid``'s descriptors stop changing (connections closed by their
+    peers take kvd a moment to close too)."""
+    deadline = time.monotonic() + timeout
+    last = open_fds(pid)
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        if (now := open_fds(pid)) == last:
+            return
+        last = now
+    raise AssertionError(f"kvd's descriptors did not settle within {timeout}s")
+
+
 def collect(sub: Subscription, count: int, timeout: float = 30.0) -> list[Delivery]:
     """The next ``count`` deliveries, polling until a deadline (never a fixed sleep)."""
     out: list[Delivery] = []

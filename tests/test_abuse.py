@@ -38,6 +38,7 @@ from tests.daemon_helpers import (
     peak_rss_mib,
     reset_peak_rss,
     rss_mib,
+    settle,
     wait_for,
 )
 
@@ -477,6 +478,7 @@ def test_a_hundred_engine_restarts_leave_kvds_descriptors_where_they_were(
         client.detach("warm-up")
         sub = client.subscribe(["e0"], from_seq=1)
         assert sub.poll(0.1) is None
+        settle(pid)  # the subscription's replays closed their connections
         before = open_fds(pid)
         for n in range(restarts):
             name = f"kvd-restart-{os.getpid()}-{n}"

@@ -15,7 +15,6 @@ import re
 import shutil
 import socket
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +46,7 @@ from tests.daemon_helpers import (
     open_fds,
     peak_rss_mib,
     reset_peak_rss,
+    settle,
     wait_for,
 )
 
@@ -122,19 +122,6 @@ def kvd() -> Iterator[Kvd]:
         daemon.close()
         ctx.term()
         shutil.rmtree(runtime_dir, ignore_errors=True)
-
-
-def settle(pid: int, timeout: float = 10.0) -> None:
-    """Wait until process ``pid``'s descriptors stop changing (connections closed by their
-    peers take kvd a moment to close too)."""
-    deadline = time.monotonic() + timeout
-    last = open_fds(pid)
-    while time.monotonic() < deadline:
-        time.sleep(0.2)
-        if (now := open_fds(pid)) == last:
-            return
-        last = now
-    raise AssertionError(f"kvd's descriptors did not settle within {timeout}s")
 
 
 # -- the sockets -----------------------------------------------------------------------------------
