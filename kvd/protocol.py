@@ -63,6 +63,9 @@ It is the events topic of the cache; ``UNATTACHED_TOPIC`` cannot be the prefix o
 CacheIdRef = Annotated[str, msgspec.Meta(max_length=CACHE_ID_MAX)]
 """A cache id in a notification: only its length is checked there (the registry knows the rest)."""
 ReqId = Annotated[str, msgspec.Meta(min_length=1, max_length=REQ_ID_MAX)]
+ENGINE_ID_MAX = 512
+EngineId = Annotated[str, msgspec.Meta(max_length=ENGINE_ID_MAX)]
+"""An engine's id (vLLM's ``engine_id``): kvd keeps it with each cache the engine attached."""
 
 MAX_BATCH_WINDOW_US: Final = 1_000_000
 BatchWindow = Annotated[int, msgspec.Meta(ge=0, le=MAX_BATCH_WINDOW_US)] | Literal["auto"]
@@ -75,6 +78,8 @@ UNATTACHED_TOPIC: Final = "*"
 
 Axis = Literal["L", "H", "N", "C"]
 """A logical axis of a page: L layer, H KV head, N token, C element of a head (head_dim)."""
+Axes = Annotated[tuple[Axis, ...], msgspec.Meta(max_length=4)]
+"""Axes of a page, outermost first: each at most once, so at most four."""
 
 
 class PageFormat(msgspec.Struct, frozen=True, omit_defaults=True, gc=False, kw_only=True):
@@ -95,9 +100,9 @@ class PageFormat(msgspec.Struct, frozen=True, omit_defaults=True, gc=False, kw_o
     format is expected.
     """
 
-    k: tuple[Axis, ...]
-    v: tuple[Axis, ...] = ()
-    outer: tuple[Axis, ...] = ()
+    k: Axes
+    v: Axes = ()
+    outer: Axes = ()
     regions: Literal["", "kv", "head"] = ""
 
 
@@ -214,7 +219,7 @@ class Attach(_Message, tag="attach"):
 
     cache_id: CacheId
     tensors: list[TensorSpec]
-    engine_id: str = ""
+    engine_id: EngineId = ""
 
 
 class Detach(_Message, tag="detach"):
@@ -226,7 +231,7 @@ class Detach(_Message, tag="detach"):
     published, and then the cache is detached and ``Detached`` sent."""
 
     cache_id: str
-    engine_id: str = ""
+    engine_id: EngineId = ""
     force: bool = False
 
 
@@ -256,7 +261,7 @@ class Heartbeat(_Message, tag="heartbeat"):
     sending connection theirs. Once an engine has sent one, its caches are detached when no
     Heartbeat comes for ``engine_lease_s``; send one every third of it."""
 
-    engine_id: Annotated[str, msgspec.Meta(min_length=1)]
+    engine_id: Annotated[str, msgspec.Meta(min_length=1, max_length=ENGINE_ID_MAX)]
 
 
 ControlRequest = Attach | Detach | Status | Ping | Configure | Heartbeat
@@ -572,7 +577,7 @@ _HEADER_STR_MAX = {
     "type": 64,
     "req_id": REQ_ID_MAX,
     "cache_id": CACHE_ID_MAX,
-    "remote_engine_id": REQ_ID_MAX,
+    "remote_engine_id": ENGINE_ID_MAX,
 }
 HEADER_SCAN_BYTES: Final = 64 * 1024
 

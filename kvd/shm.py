@@ -43,6 +43,15 @@ def populate(tensor: torch.Tensor) -> bool:
     return True
 
 
+def reserve(fd: int, size: int) -> None:
+    """Make the file behind ``fd`` ``size`` bytes long, every page of it allocated now.
+
+    kvd refuses a sparse segment (its writes would allocate RAM the engine never reserved), and
+    a full /dev/shm fails here (ENOSPC) instead of with SIGBUS at some later write.
+    """
+    os.posix_fallocate(fd, 0, size)
+
+
 def physical_shape(
     kv_arrangement: KVArrangement,
     layout: Layout,
@@ -88,7 +97,8 @@ class ShmCache:
         kv_arrangement: KVArrangement = "split",
         name: str | None = None,
     ) -> ShmCache:
-        """Create and map a zero-filled cache; fails if ``name`` already exists."""
+        """Create and map a zero-filled cache, its memory allocated (``reserve``); fails if
+        ``name`` already exists."""
         name = name or f"kvd-cache-{os.getpid()}-{secrets.token_hex(4)}"
         shape = physical_shape(
             kv_arrangement,
@@ -107,7 +117,10 @@ class ShmCache:
         path = os.path.join(SHM_DIR, name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
         try:
-            os.ftruncate(fd, total)
+            reserve(fd, total)
+        except OSError:
+            os.unlink(path)
+            raise
         finally:
             os.close(fd)
         mapped = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)

@@ -33,7 +33,15 @@ import zmq
 import zmq.asyncio
 
 from kvd.endpoints import Endpoints
-from kvd.protocol import END_SEQ, UNATTACHED_TOPIC, Event, Replay, ReplayEnd, decode_seq
+from kvd.protocol import (
+    CACHE_ID_MAX,
+    END_SEQ,
+    UNATTACHED_TOPIC,
+    Event,
+    Replay,
+    ReplayEnd,
+    decode_seq,
+)
 
 _ENCODER = msgspec.msgpack.Encoder()
 _EVENT_DECODER = msgspec.msgpack.Decoder(Event)
@@ -87,6 +95,14 @@ class _Ordering:
     def __init__(self, topics: list[str], from_seq: int | None) -> None:
         if from_seq is not None and not topics:
             raise ValueError("from_seq needs explicit topics to replay")
+        for topic in topics:
+            # kvd closes the connection of a subscriber whose subscription is much longer
+            # (max_subscription_bytes): ZMQ would reconnect and subscribe again, for ever.
+            if len(topic.encode()) > CACHE_ID_MAX:
+                raise ValueError(
+                    f"topics: {topic[:32]!r}... is {len(topic.encode())} bytes; a topic is a "
+                    f"cache id, at most {CACHE_ID_MAX}"
+                )
         self.topics = topics
         self.expected: dict[str, int] = {}
         # Topics whose latest duplicate was already checked against a replay (see live()).

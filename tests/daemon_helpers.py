@@ -33,6 +33,47 @@ def zmq_io_threads(pid: int | str = "self") -> list[int]:
     return threads
 
 
+def _status_kib(pid: int, key: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{key}:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {key} in /proc/{pid}/status")
+
+
+def rss_mib(pid: int) -> float:
+    """Process ``pid``'s resident memory now (VmRSS), MiB."""
+    return _status_kib(pid, "VmRSS") / 1024
+
+
+def peak_rss_mib(pid: int) -> float:
+    """The most resident memory process ``pid`` had since it started or since the last
+    ``reset_peak_rss`` (VmHWM), MiB: a peak no sampling can miss."""
+    return _status_kib(pid, "VmHWM") / 1024
+
+
+def reset_peak_rss(pid: int) -> None:
+    """Start ``peak_rss_mib`` again from the resident memory now (Linux 4.0+)."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+
+def open_fds(pid: int) -> int:
+    """How many descriptors process ``pid`` has open."""
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def settle(pid: int, timeout: float = 10.0) -> None:
+    """Wait until process ``pid``'s descriptors stop changing (connections closed by their
+    peers take kvd a moment to close too)."""
+    deadline = time.monotonic() + timeout
+    last = open_fds(pid)
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        if (now := open_fds(pid)) == last:
+            return
+        last = now
+    raise AssertionError(f"kvd's descriptors did not settle within {timeout}s")
+
+
 def collect(sub: Subscription, count: int, timeout: float = 30.0) -> list[Delivery]:
     """The next ``count`` deliveries, polling until a deadline (never a fixed sleep)."""
     out: list[Delivery] = []
@@ -198,3 +239,60 @@ def kvd(
         timeout=timeout,
         check=False,
     )
+
+
+class RawPeer:
+    """A ZMTP 3.0 peer (NULL mechanism) on an ipc:// socket of kvd, written by hand: it sends
+    what libzmq's own sockets never would (a frame of any size, a subscription to any topic)
+    and sees at once when kvd closes its connection."""
+
+    _GREETING = b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\0") + bytes(32)
+
+    def __init__(self, endpoint: str, socket_type: str, timeout: float = 10.0) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        self.sock.connect(endpoint.removeprefix("ipc://"))
+        self.sock.sendall(self._GREETING)
+        greeting = b""
+        while len(greeting) < len(self._GREETING):
+            chunk = self.sock.recv(len(self._GREETING) - len(greeting))
+            if not chunk:
+                raise ConnectionError("kvd closed the connection during the greeting")
+            greeting += chunk
+        kind = socket_type.encode()
+        ready = b"\x05READY\x0bSocket-Type" + struct.pack(">I", len(kind)) + kind
+        self.sock.sendall(self._frame(ready, command=True))
+
+    @staticmethod
+    def _frame(body: bytes, *, more: bool = False, command: bool = False) -> bytes:
+        flags = (1 if more else 0) | (4 if command else 0)
+        if len(body) < 256:
+            return bytes([flags, len(body)]) + body
+        return bytes([flags | 2]) + struct.pack(">Q", len(body)) + body
+
+    def send(self, *frames: bytes) -> bool:
+        """Send one message; False when kvd closed the connection while it was being sent."""
+        try:
+            for i, body in enumerate(frames):
+                self.sock.sendall(self._frame(body, more=i < len(frames) - 1))
+        except OSError:  # EPIPE or ECONNRESET: kvd stopped reading and closed it
+            return False
+        return True
+
+    def closed_by_kvd(self, timeout: float = 10.0) -> bool:
+        """Whether kvd closes the connection within ``timeout`` (whatever it sends first is
+        read and dropped)."""
+        deadline = time.monotonic() + timeout
+        while (remaining := deadline - time.monotonic()) > 0:
+            self.sock.settimeout(remaining)
+            try:
+                if not self.sock.recv(1 << 16):
+                    return True
+            except TimeoutError:
+                return False
+            except OSError:
+                return True  # reset
+        return False
+
+    def close(self) -> None:
+        self.sock.close()

@@ -6,6 +6,7 @@ shared memory. Every accepted notification still gets exactly one event, and kvd
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
 import os
 import re
@@ -23,14 +24,23 @@ import pytest
 import torch
 import zmq
 
-from kvd.client import Client, ShmCache, read_done_message
+from kvd.client import Client, KvdError, ShmCache, read_done_message
 from kvd.daemon.attach import open_cache
 from kvd.daemon.memory import Span
 from kvd.daemon.registry import Owner, Registry
 from kvd.daemon.sockets import FD_RESERVE
 from kvd.daemon_process import DaemonProcess
-from kvd.protocol import UNATTACHED_TOPIC, Attach, Failed, Ready, Replay
-from tests.daemon_helpers import collect, wait_for
+from kvd.protocol import UNATTACHED_TOPIC, Attach, Failed, Ready, Replay, ShmRef, TensorSpec
+from tests.daemon_helpers import (
+    RawPeer,
+    collect,
+    open_fds,
+    peak_rss_mib,
+    reset_peak_rss,
+    rss_mib,
+    settle,
+    wait_for,
+)
 
 UNIT = Path(__file__).parent.parent / "systemd" / "kvd@.service"
 
@@ -127,10 +137,6 @@ def nofile(soft: int, hard: int) -> Iterator[None]:
         resource.setrlimit(resource.RLIMIT_NOFILE, before)
 
 
-def open_fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
 def test_a_thousand_idle_peers_cannot_exhaust_kvds_descriptors(short_tmp: Path) -> None:
     soft, hard = unit_nofile()
     bound = soft  # connections kvd keeps, all sockets together
@@ -209,6 +215,111 @@ def test_replay_peers_that_do_not_read_delay_no_one(short_tmp: Path) -> None:
         ctx.term()
 
 
+# -- an oversized replay request ----------------------------------------------------------------
+
+HUGE_FRAME = 128 << 20
+
+
+def test_an_oversized_replay_request_closes_its_connection_unread(short_tmp: Path) -> None:
+    """On main the replay socket's limit was set after the socket was bound, which ZMQ ignores:
+    a 128 MiB frame was read whole (kvd's RSS peak +256 MiB) to be answered invalid_message."""
+    cache = ShmCache.create(
+        num_layers=1, num_blocks=8, block_size=8, num_heads=2, head_dim=16, layout="NHD"
+    )
+    try:
+        with DaemonProcess(runtime_dir=short_tmp) as daemon, daemon.client() as client:
+            assert daemon.proc is not None
+            pid = daemon.proc.pid
+            client.attach("honest", cache.specs)  # torch and the kernels load with it
+            sub = client.subscribe(["honest"], from_seq=1)
+            reset_peak_rss(pid)
+            before = rss_mib(pid)
+            peer = RawPeer(daemon.endpoints().replay, "DEALER")
+            try:
+                peer.send(b"\x82" + bytes(HUGE_FRAME))  # the start of a msgpack map, then junk
+                assert peer.closed_by_kvd(), "kvd read the frame and kept the connection"
+            finally:
+                peer.close()
+            grown = peak_rss_mib(pid) - before
+            assert grown < 16, f"kvd's RSS peaked {grown:.0f} MiB above where it was"
+            # Honest subscribers are served: events, and replays.
+            client.read_done("after", "honest", [1], remote_layout="NHD", block_size_ratio=1)
+            (delivery,) = collect(sub, 1)
+            assert isinstance(delivery.event, Ready), delivery.event
+            with client.subscribe(["honest"], from_seq=1) as again:
+                (replayed,) = collect(again, 1)
+                assert replayed.event.req_id == "after"
+            sub.close()
+    finally:
+        cache.close()
+
+
+# -- a sparse segment ---------------------------------------------------------------------------
+
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 1, 2
+
+
+def allocated(fd: int) -> int:
+    """Bytes of the file behind ``fd`` that /dev/shm has allocated (RAM)."""
+    return os.fstat(fd).st_blocks * 512
+
+
+def punch_hole(fd: int, offset: int, length: int) -> None:
+    """Free the file's pages in [offset, offset + length): reading them gives zeros again."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    flags = _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE
+    if libc.fallocate(fd, flags, offset, length):
+        raise OSError(ctypes.get_errno(), "fallocate(PUNCH_HOLE)")
+
+
+def test_kvd_allocates_no_shared_memory_the_engine_did_not(short_tmp: Path) -> None:
+    """On main kvd faulted in every page of an attached segment for writing: a 64 MiB segment
+    the engine never wrote (a sparse file) went from 0 to 64 MiB allocated, RAM the engine never
+    reserved. Now a segment with holes is refused at Attach, and one given holes after Attach
+    fails its requests untouched."""
+    size, num_blocks = 64 << 20, 4096  # K and V pages of 8 KiB: 16 tokens, 4 heads of 64
+    name = f"kvd-sparse-{os.getpid()}"
+    spec = TensorSpec(
+        name="layer.0",
+        shape=[2, num_blocks, 16, 4, 64],
+        dtype="bfloat16",
+        layout="NHD",
+        kv_arrangement="split",
+        block_size=16,
+        memory=ShmRef(name=name),
+    )
+    fd = os.open(f"/dev/shm/{name}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        with DaemonProcess(runtime_dir=short_tmp) as daemon, daemon.client() as client:
+            refused = rf"memory_unavailable: tensors\[0\]\.memory: /dev/shm/{name} is sparse"
+            with pytest.raises(KvdError, match=rf"{refused}: 0 of its {size} bytes are allocated"):
+                client.attach("sparse", [spec])
+            assert allocated(fd) == 0
+            os.pwrite(fd, b"\1" * (size // 2), 0)  # the engine wrote half of it
+            with pytest.raises(KvdError, match=rf"{refused}: {size // 2} of its {size} bytes"):
+                client.attach("sparse", [spec])
+            assert allocated(fd) == size // 2
+            assert client.status().caches == []
+
+            os.posix_fallocate(fd, 0, size)  # reserved whole: attached
+            client.attach("whole", [spec])
+            sub = client.subscribe(["whole"], from_seq=1)
+            punch_hole(fd, 0, 1 << 20)  # the engine frees the K pages of blocks 0..127
+            client.read_done("holes", "whole", [1, 2], remote_layout="HND", block_size_ratio=1)
+            (delivery,) = collect(sub, 1)
+            failed = delivery.event
+            assert isinstance(failed, Failed) and failed.code == "memory_unavailable", failed
+            assert f"/dev/shm/{name} is sparse: {size - (1 << 20)} of" in failed.message
+            assert "after Attach: its blocks were not touched" in failed.message
+            assert allocated(fd) == size - (1 << 20), "kvd allocated the hole's pages"
+            sub.close()
+    finally:
+        os.close(fd)
+        os.unlink(f"/dev/shm/{name}")
+
+
 # -- a huge Attach -------------------------------------------------------------------------------
 
 
@@ -267,13 +378,6 @@ while True:
 """
 
 
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
-
-
 def test_a_stopped_subscriber_costs_kvd_at_most_its_queue(short_tmp: Path) -> None:
     queue_mib = 1
     env = {
@@ -325,3 +429,80 @@ def test_a_stopped_subscriber_costs_kvd_at_most_its_queue(short_tmp: Path) -> No
             assert subscriber.stdout is not None
             subscriber.stdout.close()
         cache.close()
+
+
+# -- engines that restart ------------------------------------------------------------------------
+
+RESTARTING_ENGINE = """
+import os, signal, sys
+from kvd.client import Client
+from kvd.protocol import ShmRef, TensorSpec
+
+runtime_dir, name, n = sys.argv[1:4]
+shape = [2, 32, 16, 4, 64]
+fd = os.open(f"/dev/shm/{name}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+os.posix_fallocate(fd, 0, 2 * 32 * 16 * 4 * 64 * 2)
+spec = TensorSpec(name="layer.0", shape=shape, dtype="bfloat16", layout="NHD",
+                  kv_arrangement="split", block_size=16, memory=ShmRef(name=name))
+client = Client(runtime_dir)
+client.attach("e0", [spec], engine_id="engine-a")
+os.unlink(f"/dev/shm/{name}")  # kvd holds it open: the engine, killed, leaves no file behind
+for req_id, blocks in ((f"full-{n}", range(16)), (f"wait-{n}", [20])):
+    client.read_done(req_id, "e0", list(blocks), remote_layout="HND", block_size_ratio=1)
+print("sent", flush=True)
+signal.pause()
+"""
+
+
+@pytest.mark.slow
+def test_a_hundred_engine_restarts_leave_kvds_descriptors_where_they_were(
+    short_tmp: Path, tmp_path: Path
+) -> None:
+    """Each engine is SIGKILLed with a request launched and one waiting in the batch window; the
+    next, with the same engine_id, takes its cache over, and the last one's lease runs out.
+
+    On main the executor's thread held on to its last job, and with it the mapping of a cache
+    detached since: one descriptor more, and the segment's pages kept, after the last left."""
+    script = tmp_path / "engine.py"
+    script.write_text(RESTARTING_ENGINE)
+    restarts = 100
+    windowed = ("--batch-window-us", "1000000", "--max-batch-blocks", "16")
+    with (
+        DaemonProcess(*windowed, "--engine-lease-s", "2", runtime_dir=short_tmp) as daemon,
+        daemon.client() as client,
+        ShmCache.create(num_layers=1, num_blocks=4, block_size=16, num_heads=1, head_dim=8) as c,
+    ):
+        assert daemon.proc is not None
+        pid = daemon.proc.pid
+        client.attach("warm-up", c.specs)  # kvd's torch and kernels load with its first Attach
+        client.detach("warm-up")
+        sub = client.subscribe(["e0"], from_seq=1)
+        assert sub.poll(0.1) is None
+        settle(pid)  # the subscription's replays closed their connections
+        before = open_fds(pid)
+        for n in range(restarts):
+            name = f"kvd-restart-{os.getpid()}-{n}"
+            engine = subprocess.Popen(
+                [sys.executable, str(script), str(daemon.runtime_dir), name, str(n)],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            try:
+                assert engine.stdout is not None
+                assert engine.stdout.readline() == "sent\n", f"engine {n} failed"
+                wait_for(lambda n=n: client.request_status(f"wait-{n}", "e0").state != "unknown")
+            finally:
+                engine.kill()
+                engine.wait()
+                if engine.stdout is not None:
+                    engine.stdout.close()
+                Path(f"/dev/shm/{name}").unlink(missing_ok=True)
+        wait_for(lambda: not client.status().caches, timeout=30)  # the last one's lease ran out
+        events = collect(sub, 2 * restarts)
+        assert len({d.event.req_id for d in events}) == 2 * restarts, "one event per request"
+        assert sub.poll(0.2) is None
+        # Every cache and connection of the engines is gone: kvd holds what it held before.
+        with contextlib.suppress(AssertionError):
+            wait_for(lambda: open_fds(pid) == before, timeout=10)
+        assert open_fds(pid) == before, f"{open_fds(pid)} descriptors open, {before} before"
+        sub.close()

@@ -60,6 +60,8 @@ def test_env_and_flag_errors_name_the_source() -> None:
         load_config(environ={"KVD_MAX_BATCH_BLOCKS": "many"})
     with pytest.raises(ConfigError, match=r"--max-message-bytes='12'.*>= 1024"):
         load_config(environ={}, overrides={"max_message_bytes": "12"})
+    with pytest.raises(ConfigError, match=r"KVD_MAX_SUBSCRIPTION_BYTES='100'.*>= 256"):
+        load_config(environ={"KVD_MAX_SUBSCRIPTION_BYTES": "100"})
 
 
 def test_missing_file(tmp_path: Path) -> None:

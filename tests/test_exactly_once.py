@@ -22,7 +22,7 @@ import zmq
 from kvd.client import Client, EventsLost, KvdError, ShmCache
 from kvd.daemon_process import DaemonProcess
 from kvd.protocol import Failed, Ready
-from tests.daemon_helpers import collect, wait_for
+from tests.daemon_helpers import collect, rss_mib, wait_for
 from tests.reference import expected_block, random_bytes, same_bytes
 
 _ids = itertools.count()
@@ -46,13 +46,6 @@ def read_done(
         **extra,
     }
     client.send_raw(msgspec.msgpack.encode(fields))
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
 
 
 def fill(cache: ShmCache, seed: int) -> list[torch.Tensor]:

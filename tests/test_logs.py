@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvd.daemon.logs import setup_logging
+from kvd.daemon.logs import clipped, setup_logging
 from kvd.daemon_process import DaemonProcess
 
 TIMESTAMP = re.compile(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d")
@@ -132,3 +132,9 @@ def test_daemon_json_logs(tmp_path: Path, short_tmp: Path) -> None:
     assert {r["logger"] for r in records} >= {"kvd.daemon.server"}
     assert records[-1]["msg"] == "kvd stopped"
     assert all(set(r) >= {"ts", "level", "logger", "msg"} for r in records)
+
+
+def test_a_long_message_is_clipped_and_says_so() -> None:
+    assert clipped("short") == "short"
+    assert clipped("x" * 1000) == "x" * 1000
+    assert clipped("x" * 5000) == "x" * 1000 + "... (5000 characters)"

@@ -16,6 +16,7 @@ from kvd.daemon.sockets import (
     EndpointError,
     RuntimeLock,
     SocketReader,
+    bind,
     normalize_endpoint,
     write_endpoints,
 )
@@ -60,6 +61,21 @@ def test_endpoints_file_round_trip(short_tmp: Path) -> None:
     with_metrics = dataclasses.replace(eps, metrics="http://127.0.0.1:9400/metrics")
     write_endpoints(short_tmp, with_metrics)
     assert read_endpoints(short_tmp) == with_metrics
+
+
+def test_a_socket_without_a_message_size_limit_is_not_bound(short_tmp: Path) -> None:
+    """A listener copies the socket's options when it is bound: a limit set afterwards never
+    reaches a peer's connection (the replay socket's, on main)."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    try:
+        with pytest.raises(ValueError, match="replay: a socket kvd binds needs ZMQ_MAXMSGSIZE"):
+            bind(sock, f"ipc://{short_tmp}/replay.sock", "replay")
+        sock.setsockopt(zmq.MAXMSGSIZE, 1024)
+        assert bind(sock, f"ipc://{short_tmp}/replay.sock", "replay").endswith("replay.sock")
+    finally:
+        sock.close(linger=0)
+        ctx.term()
 
 
 def test_runtime_lock_excludes_a_second_daemon(short_tmp: Path) -> None:

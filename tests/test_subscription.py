@@ -139,6 +139,13 @@ def test_from_seq_needs_topics() -> None:
         _Ordering([], 1)
 
 
+def test_a_topic_longer_than_a_cache_id_is_refused() -> None:
+    """kvd would close the connection of its subscription (max_subscription_bytes)."""
+    _Ordering(["c" * 128], None)
+    with pytest.raises(ValueError, match=r"topics: 'c+'\.\.\. is 129 bytes; a topic is a cache id"):
+        _Ordering(["c" * 129], None)
+
+
 def test_a_late_event_of_a_replaced_daemon_is_not_another_restart() -> None:
     # The SUB socket still holds events the old daemon published before it was killed; they
     # come through after the subscription learnt of the new daemon, one between each two new

@@ -159,9 +159,24 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         int,
         msgspec.Meta(
             ge=1024,
-            description="Largest ingest or control message accepted; larger ones are rejected.",
+            description=(
+                "Largest ingest or control message accepted; larger ones are rejected "
+                "(message_too_large). ZMQ closes the connection of a peer that sends more than "
+                "2x this on the control socket, or than 16x (at least 64 MiB) on ingest."
+            ),
         ),
     ] = 1 << 20
+    max_subscription_bytes: Annotated[
+        int,
+        msgspec.Meta(
+            ge=256,
+            description=(
+                "Largest message a subscriber may send: a subscription on the events socket, "
+                "a Replay request on the replay socket (a topic is a cache id, at most 128 "
+                "bytes). ZMQ closes the connection of a peer that sends more, without reading it."
+            ),
+        ),
+    ] = 1024
     metrics_addr: Annotated[
         str,
         _doc(

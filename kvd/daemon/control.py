@@ -27,6 +27,7 @@ import zmq
 from kvd import __version__
 from kvd.daemon.leases import Leases
 from kvd.daemon.ledger import State
+from kvd.daemon.logs import clipped
 from kvd.daemon.memory import AttachError
 from kvd.daemon.metrics import Metrics
 from kvd.daemon.pipeline import Pipeline
@@ -157,7 +158,7 @@ class Control:
         try:
             return self._decoder.decode(body)
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
-            return self._error(Reason.INVALID_MESSAGE, str(exc)[:1000])
+            return self._error(Reason.INVALID_MESSAGE, str(exc))
 
     def _answer(self, request: Status | Ping) -> ControlReply:
         if isinstance(request, Ping):
@@ -463,6 +464,7 @@ class Control:
         )
 
     def _error(self, code: Reason, message: str) -> Error:
+        message = clipped(message)  # it may quote a field of the request, however long
         self._metrics.rejections.inc(code)
         log.warning("control request rejected (%s): %s", code.value, message)
         return Error(code=code, message=message)

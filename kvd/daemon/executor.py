@@ -178,16 +178,26 @@ class Executor:
         return True
 
     def _run(self) -> None:
-        while (job := self._queue.get()) is not None:
-            if self.failed is not None:
-                continue  # launched on record, never run: the next start answers them
-            if not self._work(job):
-                continue
-            try:
-                self._loop.call_soon_threadsafe(self._finish, job)
-            except RuntimeError:
-                # The loop is closed: a forced exit already answered this job's requests.
-                return
+        # A job is handled by a call of its own, so the thread holds no reference to it while
+        # it waits for the next: the last job would keep a detached cache's memory mapped (and
+        # its descriptor open) until another came.
+        while self._take(self._queue.get()):
+            pass
+
+    def _take(self, job: Job | None) -> bool:
+        """Run one job from the queue; False when the thread should stop."""
+        if job is None:
+            return False
+        if self.failed is not None:
+            return True  # launched on record, never run: the next start answers them
+        if not self._work(job):
+            return True
+        try:
+            self._loop.call_soon_threadsafe(self._finish, job)
+        except RuntimeError:
+            # The loop is closed: a forced exit already answered this job's requests.
+            return False
+        return True
 
     def _finish(self, job: Job) -> None:
         self._jobs.remove(job)
@@ -259,24 +269,30 @@ class CudaExecutor(Executor):
 
     def _run(self) -> None:
         self.lane.enter()  # this thread's device and stream, for good
-        while (job := self._queue.get()) is not None:
-            if self.failed is not None:
-                continue
-            job.started_ns = time.monotonic_ns()
-            try:
-                waiting = self._launch(job)
-            except DeviceFailed as exc:
-                self._fail(str(exc))
-                continue
-            except RuntimeError as exc:  # recording the event failed: completion is unknowable
-                self._fail(f"recording the completion event failed: {exc}")
-                continue
-            if waiting.ready is not None:
-                try:  # posted before the waiter can see the job: the loop hears it first
-                    self._loop.call_soon_threadsafe(self._launched, job)
-                except RuntimeError:
-                    return  # the loop is closed: kvd is exiting
-            self._waiting.put(waiting)
+        super()._run()
+
+    def _take(self, job: Job | None) -> bool:
+        """Launch one job from the queue (``Executor._run``); False when the thread should stop."""
+        if job is None:
+            return False
+        if self.failed is not None:
+            return True
+        job.started_ns = time.monotonic_ns()
+        try:
+            waiting = self._launch(job)
+        except DeviceFailed as exc:
+            self._fail(str(exc))
+            return True
+        except RuntimeError as exc:  # recording the event failed: completion is unknowable
+            self._fail(f"recording the completion event failed: {exc}")
+            return True
+        if waiting.ready is not None:
+            try:  # posted before the waiter can see the job: the loop hears it first
+                self._loop.call_soon_threadsafe(self._launched, job)
+            except RuntimeError:
+                return False  # the loop is closed: kvd is exiting
+        self._waiting.put(waiting)
+        return True
 
     def _launch(self, job: Job) -> _Waiting:
         """Launch every item of ``job`` and record the events behind them."""
@@ -317,22 +333,29 @@ class CudaExecutor(Executor):
 
     def _wait(self) -> None:
         self.lane.api.set_device(self.device)
-        while (entry := self._waiting.get()) is not None:
-            if self.failed is not None:
-                continue
-            try:
-                entry.event.synchronize()
-            except RuntimeError as exc:  # asynchronous, so sticky: the context is gone
-                self._fail(f"the CUDA post-process failed: {exc}")
-                continue
-            if entry.ready is not None:
-                self._ipc_events.put(entry.ready)  # its recording is complete: reusable
-            entry.job.finished_ns = time.monotonic_ns()
-            entry.job.work_ns = entry.job.finished_ns - entry.job.started_ns
-            try:
-                self._loop.call_soon_threadsafe(self._finish, entry.job)
-            except RuntimeError:
-                return  # the loop is closed: a forced exit left this job to the journal
+        while self._complete(self._waiting.get()):  # one call per job, as in ``_run``
+            pass
+
+    def _complete(self, entry: _Waiting | None) -> bool:
+        """Wait for one launched job; False when the thread should stop."""
+        if entry is None:
+            return False
+        if self.failed is not None:
+            return True
+        try:
+            entry.event.synchronize()
+        except RuntimeError as exc:  # asynchronous, so sticky: the context is gone
+            self._fail(f"the CUDA post-process failed: {exc}")
+            return True
+        if entry.ready is not None:
+            self._ipc_events.put(entry.ready)  # its recording is complete: reusable
+        entry.job.finished_ns = time.monotonic_ns()
+        entry.job.work_ns = entry.job.finished_ns - entry.job.started_ns
+        try:
+            self._loop.call_soon_threadsafe(self._finish, entry.job)
+        except RuntimeError:
+            return False  # the loop is closed: a forced exit left this job to the journal
+        return True
 
 
 @dataclass(slots=True, eq=False)

@@ -98,3 +98,15 @@ class RateLimitedLog:
         self._last[key] = now
         suffix = f" (+{held} similar in the last {self._interval:g}s)" if held else ""
         self._logger.warning(fmt + suffix, *args)
+
+
+MESSAGE_CHARS = 1000
+"""The most of one message kvd logs or answers with (an Error, a Failed): a message that quotes
+what a peer sent (a shape, a name) is cut here, so its size is kvd's bound, not the peer's."""
+
+
+def clipped(message: str, limit: int = MESSAGE_CHARS) -> str:
+    """``message``, cut to ``limit`` characters and saying so."""
+    if len(message) <= limit:
+        return message
+    return f"{message[:limit]}... ({len(message)} characters)"

@@ -3,8 +3,11 @@
 kvd writes into what it opens, so opening is where trust is checked. A shared-memory name is
 opened with ``O_NOFOLLOW`` inside ``/dev/shm`` only, must be a regular file owned by kvd's user
 or by one of kvd's groups, and is mapped from that same descriptor (no second lookup by path
-that a rename could redirect). The descriptor stays open, so a segment the engine shrinks after
-Attach is noticed before kvd touches it (``shrank``) instead of killing kvd with SIGBUS.
+that a rename could redirect). It must be fully allocated: /dev/shm is RAM, and kvd's writes to
+a sparse file's holes would allocate RAM the engine never reserved (a whole cache's worth, as
+kvd faults its pages in at Attach). The descriptor stays open, so a segment the engine shrinks,
+or punches holes in, after Attach is noticed before kvd touches it (``unusable``) instead of
+killing kvd with SIGBUS or allocating.
 
 Every tensor also gets its *backing span*: (what it lives in, first byte, end byte). The registry
 refuses two tensors whose spans overlap, so no byte is ever rewritten through two names.
@@ -95,18 +98,22 @@ class SharedSegment:
             )
         return self.bytes[offset:end]
 
-    def shrank(self, end: int) -> str | None:
-        """Why bytes ``[0, end)`` can no longer be touched (the file is smaller now), or None."""
+    def unusable(self, end: int) -> str | None:
+        """Why bytes ``[0, end)`` can no longer be touched (the file is smaller now, or some of
+        its pages were freed), or None."""
         try:
-            size = os.fstat(self.fd).st_size
+            st = os.fstat(self.fd)
         except OSError as exc:
             return f"{self.path}: fstat failed: {exc.strerror}"
-        if size < end:
-            return (
-                f"{self.path} shrank to {size} bytes after Attach; the cache needs {end}: its "
-                "blocks were not touched, detach it and attach again"
+        if st.st_size < end:
+            problem = (
+                f"{self.path} shrank to {st.st_size} bytes after Attach; the cache needs {end}"
             )
-        return None
+        elif sparse := _sparse(st):
+            problem = f"{self.path} {sparse} after Attach"
+        else:
+            return None
+        return f"{problem}: its blocks were not touched, detach it and attach again"
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -127,7 +134,27 @@ def _map_trusted(fd: int, st: os.stat_result, where: str) -> mmap.mmap:
         )
     if st.st_size == 0:
         raise AttachError(Reason.MEMORY_UNAVAILABLE, f"{where} is empty")
+    sparse = _sparse(st)
+    if sparse:
+        raise AttachError(
+            Reason.MEMORY_UNAVAILABLE,
+            f"{where} {sparse}: kvd's writes would allocate the rest, RAM the engine never "
+            "reserved; allocate the whole file (posix_fallocate, or write every page) before "
+            "Attach",
+        )
     return mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def _sparse(st: os.stat_result) -> str | None:
+    """What part of the file is not allocated (its holes, as /dev/shm counts them), or None.
+
+    Only the total is known (``st_blocks``), not where: a file is whole when it has as many
+    bytes allocated as it is long.
+    """
+    allocated = st.st_blocks * 512
+    if allocated >= st.st_size:
+        return None
+    return f"is sparse: {allocated} of its {st.st_size} bytes are allocated"
 
 
 class Opener:

@@ -26,7 +26,7 @@ from kvd.daemon.batcher import Batch, Batcher
 from kvd.daemon.executor import Executor, Job, WorkItem
 from kvd.daemon.journal import Journal, JournalError, Outcome, Recovered
 from kvd.daemon.ledger import Ledger, Request, State
-from kvd.daemon.logs import RateLimitedLog
+from kvd.daemon.logs import RateLimitedLog, clipped
 from kvd.daemon.metrics import Metrics
 from kvd.daemon.publisher import Publisher
 from kvd.daemon.registry import Registry
@@ -158,7 +158,7 @@ class Pipeline:
                 (r for path, r in _FIELD_REASONS.items() if text.endswith(path)),
                 Reason.INVALID_MESSAGE,
             )
-            self._reject_frame(frame, code, text[:1000])
+            self._reject_frame(frame, code, text)
             return
         if isinstance(msg, ReadDone):
             self._read_done(msg)
@@ -262,6 +262,7 @@ class Pipeline:
         Status queries, and only for an attached cache.
         """
         req_id, cache_id = source.req_id, source.cache_id
+        message = clipped(message)  # it may quote a field of the notification, however long
         if counted:
             self.metrics.rejections.inc(code)
             self._rejection_log.warning(

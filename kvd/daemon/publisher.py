@@ -24,6 +24,7 @@ from itertools import islice
 import msgspec
 import zmq
 
+from kvd.daemon.logs import clipped
 from kvd.daemon.metrics import Counter
 from kvd.daemon.sockets import raw_send
 from kvd.protocol import END_SEQ, Event, Reason, Replay, ReplayEnd, encode_seq
@@ -50,8 +51,6 @@ REPLAY_ANSWERS = 1024
 """Replay answers in progress at once, all peers together."""
 REPLAY_ANSWERS_PER_PEER = 4
 """Replay answers in progress for one peer: one peer's requests cannot crowd out others'."""
-REPLAY_REQUEST_BYTES = 64 << 10
-"""Largest replay request read; a peer that sends more is disconnected by ZMQ."""
 REPLAY_RETRY_MS = 2
 """While no peer took a message, how often their queues are looked at again."""
 
@@ -195,9 +194,10 @@ class Publisher:
 class ReplayServer:
     """Answers ``Replay`` requests on a ROUTER socket from a thread of its own.
 
-    The socket belongs to the thread from ``start`` on. Each answer is the buffered events
+    The socket belongs to the thread from ``start`` on; its queue per peer and its largest
+    request are set before it is bound (``Server.startup``). Each answer is the buffered events
     from the requested seq, then a ``ReplayEnd``. Answers in progress are served in turn, each
-    as far as its peer's queue (``queue`` messages) takes it, so a peer that does not read
+    as far as its peer's queue takes it, so a peer that does not read
     delays nobody: it is given up on after ``REPLAY_STALL_S`` without progress, and forgotten
     as soon as it disconnects. At most ``REPLAY_ANSWERS`` answers are in progress, and
     ``REPLAY_ANSWERS_PER_PEER`` for one peer; a request past that is dropped and counted (its
@@ -213,13 +213,9 @@ class ReplayServer:
         *,
         abandoned: Counter,
         dropped: Counter,
-        queue: int,
     ) -> None:
         self._sock = sock
-        sock.setsockopt(zmq.SNDHWM, queue)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        # A request is a topic and a seq: anything larger is not one (ZMQ drops the peer).
-        sock.setsockopt(zmq.MAXMSGSIZE, REPLAY_REQUEST_BYTES)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a gone peer is an error, not a silent drop
         self._log = events
         self._epoch = epoch
         self._encoder = msgspec.msgpack.Encoder()
@@ -288,7 +284,7 @@ class ReplayServer:
                 newest_seq=0,
                 epoch=self._epoch,
                 code=Reason.INVALID_MESSAGE,
-                message=str(exc)[:1000],
+                message=clipped(str(exc)),
             )
             self._answers.append(_Answer(envelope, b"", [], self._encoder.encode(end)))
             return

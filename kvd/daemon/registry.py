@@ -112,9 +112,10 @@ class AttachedCache:
         return known
 
     def memory_problem(self) -> str | None:
-        """Why the cache's memory cannot be touched now (a segment shrank), or None."""
+        """Why the cache's memory cannot be touched now (a segment shrank, or has holes), or
+        None."""
         for segment, end in self.segments:
-            problem = segment.shrank(end)
+            problem = segment.unusable(end)
             if problem:
                 return problem
         return None

@@ -206,20 +206,24 @@ class Server:
                 "give it CPUs of its own (systemd CPUAffinity=, taskset), or unset it"
             )
         self._ctx = ctx
-        ingest = self._socket(zmq.PULL)
-        # A hard ceiling well above the limit we report on, so oversized frames still get a
+        # Each socket's options are set before it is bound: its listener copies them then, and
+        # gives them to every connection it accepts. A peer's message over a socket's maximum
+        # size closes its connection before any of it is read.
+        # Ingest: a ceiling well above the limit reported on, so oversized frames still get a
         # Failed answer instead of a silent disconnect.
-        ingest.setsockopt(zmq.MAXMSGSIZE, max(16 * config.max_message_bytes, 64 << 20))
+        ingest = self._socket(zmq.PULL, max(16 * config.max_message_bytes, 64 << 20))
         # What kvd queues per peer, bounded by bytes: past it an engine's notifications wait in
-        # the engine, a subscriber misses events (and replays them).
+        # the engine, a subscriber misses events (and replays them), a replay waits its turn.
         queue = peer_queue(config.peer_queue_bytes, config.max_message_bytes)
         ingest.setsockopt(zmq.RCVHWM, queue)
-        events = self._socket(zmq.PUB)
+        # A subscriber sends subscriptions (the PUB socket keeps each topic until the peer
+        # leaves) and replay requests: a topic and a seq each.
+        events = self._socket(zmq.PUB, config.max_subscription_bytes)
         events.setsockopt(zmq.SNDHWM, queue)
-        replay = self._socket(zmq.ROUTER)
-        control = self._socket(zmq.ROUTER)
-        # Larger control frames close the sender's connection instead of being read.
-        control.setsockopt(zmq.MAXMSGSIZE, 2 * config.max_message_bytes)
+        replay = self._socket(zmq.ROUTER, config.max_subscription_bytes)
+        replay.setsockopt(zmq.SNDHWM, queue)
+        # Control frames up to 2x the limit are read and answered message_too_large.
+        control = self._socket(zmq.ROUTER, 2 * config.max_message_bytes)
         bound = {
             "control": bind(control, wanted["control"], "control"),
             "ingest": bind(ingest, wanted["ingest"], "ingest"),
@@ -337,7 +341,6 @@ class Server:
             self.metrics.replays,
             abandoned=self.metrics.replays_abandoned,
             dropped=self.metrics.replays_dropped,
-            queue=queue,
         )
         self._replay.start()
         for sig in _HANDLED_SIGNALS:
@@ -574,9 +577,12 @@ class Server:
             loop.remove_signal_handler(sig)
         self.notifier.close()
 
-    def _socket(self, kind: int) -> zmq.Socket[bytes]:
+    def _socket(self, kind: int, max_message_bytes: int) -> zmq.Socket[bytes]:
+        """A socket for kvd to bind: a peer's message over ``max_message_bytes`` closes its
+        connection unread."""
         assert self._ctx is not None
         sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
         self._sockets.append(sock)

@@ -185,7 +185,14 @@ def remove_runtime_files(runtime_dir: Path, endpoints: Endpoints | None) -> None
 
 
 def bind(sock: zmq.Socket[bytes], endpoint: str, name: str) -> str:
-    """Bind ``sock``; an ipc socket file is made 0660 (kvd's user and the engine's group)."""
+    """Bind ``sock``; an ipc socket file is made 0660 (kvd's user and the engine's group).
+
+    Every socket kvd binds bounds the message a peer may send (``ZMQ_MAXMSGSIZE``), set before
+    this call: the listener copies the socket's options when it is bound, so an option set
+    later never reaches the connections it accepts. A socket without one is refused.
+    """
+    if int(sock.getsockopt(zmq.MAXMSGSIZE)) < 0:
+        raise ValueError(f"{name}: a socket kvd binds needs ZMQ_MAXMSGSIZE, set before bind")
     # The socket file is created by the bind: the umask decides its mode from the start.
     previous = os.umask(0o117) if endpoint.startswith("ipc://") else None
     try:

@@ -4,11 +4,12 @@ vLLM 0.32 allocates a worker's whole KV cache as one ``torch.zeros(n, dtype=torc
 (``allocate_kv_cache``) inside the context the connector's ``get_mem_pool_context`` returns, and
 makes every layer's view of it. ``ShmAllocation`` is that context: it turns exactly that call
 into a mapping of a fresh file, so every view, NIXL's registration included, lives on shared
-memory with no copy. The file is reserved with ``posix_fallocate`` (a full /dev/shm fails at
-start, not with SIGBUS later), its pages are faulted in ahead as ``torch.zeros`` would have, it
-is created 0660 (kvd's group may map it; ``group`` sets it) and removed when the worker shuts
-down. A worker that was killed cannot remove its file: the next
-one started by the same user removes the files of workers that no longer exist.
+memory with no copy. The file is reserved with ``posix_fallocate`` (``kvd.shm.reserve``: a full
+/dev/shm fails at start, not with SIGBUS later, and kvd refuses a sparse file), its pages are
+faulted in ahead as ``torch.zeros`` would have, it is created 0660 (kvd's group may map it;
+``group`` sets it) and removed when the worker shuts down. A worker that was killed cannot
+remove its file: the next one started by the same user removes the files of workers that no
+longer exist.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from kvd.shm import SHM_DIR, populate
+from kvd.shm import SHM_DIR, populate, reserve
 
 log = logging.getLogger("vllm.kvd")
 
@@ -62,8 +63,7 @@ class ShmAllocation(TorchFunctionMode):
             os.fchmod(fd, 0o660)  # whatever the umask: kvd reaches it through the group
             if self.group is not None:
                 os.fchown(fd, -1, self.group)
-            os.ftruncate(fd, size)
-            os.posix_fallocate(fd, 0, size)
+            reserve(fd, size)
         except OSError:
             os.close(fd)
             self.close()
