@@ -30,8 +30,9 @@ from kvd.daemon.logs import RateLimitedLog
 from kvd.daemon.metrics import Metrics
 from kvd.daemon.publisher import Publisher
 from kvd.daemon.registry import Registry
+from kvd.daemon.routes import Rejection, Route
 from kvd.daemon.timers import WindowTimer
-from kvd.daemon.validate import InFlight, Rejection, Repeat, Route, identify, validate_read_done
+from kvd.daemon.validate import InFlight, Repeat, identify, validate_read_done
 from kvd.daemon.window import AutoWindow
 from kvd.protocol import (
     UNATTACHED_TOPIC,
