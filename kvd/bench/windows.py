@@ -36,7 +36,6 @@ from kvd.bench.pipeline import (
     MixError,
     Target,
     drive,
-    percentile,
     probe_messages,
     slot_messages,
 )
@@ -45,7 +44,7 @@ from kvd.daemon_process import DaemonError, DaemonProcess
 from kvd.progress import progress_bar
 from kvd.protocol import MAX_BATCH_WINDOW_US, BatchWindow
 from kvd.shm import ShmCache
-from kvd.tables import format_table
+from kvd.tables import format_table, quantile
 
 CACHE_ID = "windows"
 HEADS, HEAD_DIM = 4, 64
@@ -246,8 +245,8 @@ def _summary(runs: Sequence[Figures], latencies: list[float]) -> dict[str, float
     return {
         "throughput": median,
         "throughput_spread": (max(throughputs) - min(throughputs)) / median if median else 0.0,
-        "p50_us": percentile(pooled, 0.50),
-        "p99_us": percentile(pooled, 0.99),
+        "p50_us": quantile(pooled, 0.50),
+        "p99_us": quantile(pooled, 0.99),
         "failed": float(sum(f.failed for f in runs)),
     }
 

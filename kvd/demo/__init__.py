@@ -22,7 +22,7 @@ from typing import IO, Any
 
 from kvd.demo.cases import CASES, ENGINES, largest_group
 from kvd.progress import add_progress_flag, progress_bar
-from kvd.tables import format_table
+from kvd.tables import format_table, quantile
 
 CHILD_START_TIMEOUT_S = 60.0
 TRANSPORT = "UCX"  # the NIXL backend both sides use (kvd.nixl.agent.DEFAULT_BACKEND)
@@ -241,8 +241,6 @@ def _progress_line(case: dict[str, Any], total: int) -> str:
 def _report(
     cases: list[dict[str, Any]], notifications: list[dict[str, Any]], args: argparse.Namespace
 ) -> dict[str, Any]:
-    from kvd.demo.decode import _quantile
-
     latencies = sorted(x for c in cases for x in c.pop("latencies_us"))
     kvd_us = sorted(x for c in cases for x in c.pop("kvd_us"))
     notified_ok = all(
@@ -260,11 +258,11 @@ def _report(
         "nixl_bytes": nbytes,
         "nixl_gbps": nbytes / seconds / 1e9 if seconds else 0.0,
         "read_done_to_ready_us": {
-            "p50": _quantile(latencies, 0.50),
-            "p99": _quantile(latencies, 0.99),
+            "p50": quantile(latencies, 0.50),
+            "p99": quantile(latencies, 0.99),
             "samples": len(latencies),
         },
-        "kvd_elapsed_us": {"p50": _quantile(kvd_us, 0.50), "p99": _quantile(kvd_us, 0.99)},
+        "kvd_elapsed_us": {"p50": quantile(kvd_us, 0.50), "p99": quantile(kvd_us, 0.99)},
         "prefill_notifications": [
             {
                 "engine_id": n["engine_id"],
