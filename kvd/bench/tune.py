@@ -35,6 +35,7 @@ from kvd.bench.pipeline import (
     probe_messages,
     slot_messages,
 )
+from kvd.daemon.config import parse_batch_windows
 from kvd.daemon_process import DaemonError, DaemonProcess
 from kvd.dtypes import ITEMSIZE
 from kvd.progress import progress_bar
@@ -68,18 +69,12 @@ class Recommendation:
 
 
 def parse_windows(text: str) -> list[int]:
-    """``"0,50,100"`` -> [0, 50, 100]: distinct windows in microseconds, 0..1_000_000."""
+    """``"0,50,100"`` -> [0, 50, 100]: distinct fixed windows (``parse_batch_windows``)."""
     try:
-        windows = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise TuneError(f"--windows: expected comma-separated integers, got {text!r}") from None
-    if not windows:
-        raise TuneError("--windows: give at least one window")
-    if any(not 0 <= w <= 1_000_000 for w in windows):
-        raise TuneError("--windows: each window must be in 0..1000000 microseconds")
-    if len(set(windows)) != len(windows):
-        raise TuneError(f"--windows: {text!r} repeats a window")
-    return windows
+        windows = parse_batch_windows(text, auto=False)
+    except ValueError as exc:
+        raise TuneError(f"--windows: {exc}") from None
+    return [w for w in windows if w != "auto"]  # none is: the type says so
 
 
 def recommend(

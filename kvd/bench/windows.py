@@ -40,9 +40,10 @@ from kvd.bench.pipeline import (
     slot_messages,
 )
 from kvd.client import Client
+from kvd.daemon.config import parse_batch_windows
 from kvd.daemon_process import DaemonError, DaemonProcess
 from kvd.progress import progress_bar
-from kvd.protocol import MAX_BATCH_WINDOW_US, BatchWindow
+from kvd.protocol import BatchWindow
 from kvd.shm import ShmCache
 from kvd.tables import format_table, quantile
 
@@ -74,27 +75,6 @@ class Load:
         return OPEN_LOOP_SLOTS if self.rate else self.concurrency
 
 
-def parse_windows(text: str) -> list[BatchWindow]:
-    """``"0,50,auto"`` -> [0, 50, "auto"]."""
-    windows: list[BatchWindow] = []
-    for part in (p.strip() for p in text.split(",")):
-        if not part:
-            continue
-        if part == "auto":
-            windows.append("auto")
-            continue
-        try:
-            value = int(part)
-        except ValueError:
-            raise WindowsError(f"--windows: {part!r} is not microseconds or 'auto'") from None
-        if not 0 <= value <= MAX_BATCH_WINDOW_US:
-            raise WindowsError(f"--windows: {value} is outside 0..{MAX_BATCH_WINDOW_US}")
-        windows.append(value)
-    if len(windows) < 2 or len(set(windows)) != len(windows):
-        raise WindowsError("--windows: give two or more distinct windows")
-    return windows
-
-
 def parse_loads(concurrency: str | None, rates: str | None) -> list[Load]:
     try:
         if rates:
@@ -111,7 +91,10 @@ def parse_loads(concurrency: str | None, rates: str | None) -> list[Load]:
 
 
 def _check(args: argparse.Namespace) -> tuple[list[BatchWindow], list[Load]]:
-    windows = parse_windows(args.windows)
+    try:
+        windows = parse_batch_windows(args.windows, at_least=2)
+    except ValueError as exc:
+        raise WindowsError(f"--windows: {exc}") from None
     loads = parse_loads(args.concurrency, args.rates)
     if args.transform not in TRANSFORMS:
         raise WindowsError("--windows needs --transform layout or merge (none has no work)")

@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import importlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 def subcommand(commands: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
@@ -28,3 +30,37 @@ def deferred(module: str) -> Callable[[argparse.Namespace], int]:
         return code
 
     return run
+
+
+def argument(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """``parse`` as an argparse ``type``: the message of its ``ValueError`` is the usage error."""
+
+    def convert(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
+
+
+def positive(text: str) -> int:
+    """A whole number, 1 or more (an argparse ``type``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected 1 or more, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A number above 0 (an argparse ``type``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number above 0, got {text}")
+    return value

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kvd.commands import deferred, subcommand
+from kvd.commands import argument, deferred, positive, subcommand
+from kvd.daemon.config import parse_batch_window
 from kvd.progress import add_progress_flag
 
 
@@ -62,7 +63,7 @@ def add(commands: Any) -> None:
     )
     pipeline.add_argument(
         "--batch-window-us",
-        type=_batch_window,
+        type=argument(parse_batch_window),
         default=None,
         help="kvd's batch window for the run, microseconds or 'auto' (default: kvd's default)",
     )
@@ -205,7 +206,7 @@ def add(commands: Any) -> None:
         ),
     )
     startup.add_argument(
-        "--starts", type=_positive, default=5, help="starts per load (default: %(default)s)"
+        "--starts", type=positive, default=5, help="starts per load (default: %(default)s)"
     )
     startup.add_argument(
         "--load",
@@ -245,28 +246,6 @@ def _daemon_cpus(text: str) -> str:
         except CpuListError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
     return text
-
-
-def _batch_window(text: str) -> int | str:
-    if text == "auto":
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected microseconds or 'auto', got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected microseconds >= 0, got {value}")
-    return value
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected 1 or more, got {value}")
-    return value
 
 
 def _counts(text: str) -> list[int]:
