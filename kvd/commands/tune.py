@@ -1,4 +1,4 @@
-"""``kvd tune``: its flags; the sweep itself is ``kvd.bench.tune``."""
+"""``kvd tune``: its flags; the sweep and the choice are ``kvd.bench.tune``."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ def add(commands: Any) -> None:
         "tune",
         help="measure batch windows with your geometry and request mix, and recommend one",
         description=(
-            "For each batch window, starts kvd serve with it, attaches a shared-memory cache of "
-            "the given geometry and sends the request mix: notifications whose remote layout or "
-            "block size needs a real rewrite. Prints notifications/s and ReadDone->event "
-            "p50/p99 per window, recommends a window by a stated rule (--objective) and plots "
-            "the sweep."
+            "Starts kvd serve, attaches a shared-memory cache of the given geometry and, for "
+            "each batch window (set live, as kvd set does), sends the request mix: "
+            "notifications whose remote layout or block size needs a real rewrite. Prints "
+            "notifications/s and ReadDone->event p50/p99 per window, recommends a window by a "
+            "stated rule (--objective) and plots the sweep."
         ),
     )
     geometry = tune.add_argument_group("geometry (the decode cache kvd rewrites)")
