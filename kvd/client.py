@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 import msgspec
 import zmq
@@ -134,32 +134,25 @@ def _unwrap(reply: ControlReply, expected: type[Any]) -> Any:
     return reply
 
 
+class ReadDoneFields(TypedDict, total=False):
+    """A ReadDone's optional fields, as ``read_done`` and ``read_done_message`` take them
+    (``kvd.protocol.ReadDone`` says what each means; left out, each is its default there)."""
+
+    remote_layout: Layout | None
+    remote_format: FormatRef | None
+    block_size_ratio: int
+    remote_block_size: int
+    remote_engine_id: str
+    covered_sub_blocks: int
+    generation: int
+
+
 def read_done_message(
-    req_id: str,
-    cache_id: str,
-    block_ids: Sequence[int],
-    *,
-    remote_layout: Layout | None = None,
-    remote_format: FormatRef | None = None,
-    block_size_ratio: int = 0,
-    remote_block_size: int = 0,
-    remote_engine_id: str = "",
-    covered_sub_blocks: int = 0,
-    generation: int = 0,
+    req_id: str, cache_id: str, block_ids: Sequence[int], **fields: Unpack[ReadDoneFields]
 ) -> bytes:
+    """The encoded ReadDone of ``req_id``'s blocks ``block_ids`` in ``cache_id``."""
     return _ENCODER.encode(
-        ReadDone(
-            req_id=req_id,
-            cache_id=cache_id,
-            remote_layout=remote_layout,
-            remote_format=remote_format,
-            physical_block_ids=list(block_ids),
-            block_size_ratio=block_size_ratio,
-            remote_block_size=remote_block_size,
-            remote_engine_id=remote_engine_id,
-            covered_sub_blocks=covered_sub_blocks,
-            generation=generation,
-        )
+        ReadDone(req_id=req_id, cache_id=cache_id, physical_block_ids=list(block_ids), **fields)
     )
 
 
@@ -338,14 +331,7 @@ class Client:
         req_id: str,
         cache_id: str,
         block_ids: Sequence[int],
-        *,
-        remote_layout: Layout | None = None,
-        remote_format: FormatRef | None = None,
-        block_size_ratio: int = 0,
-        remote_block_size: int = 0,
-        remote_engine_id: str = "",
-        covered_sub_blocks: int = 0,
-        generation: int = 0,
+        **fields: Unpack[ReadDoneFields],
     ) -> None:
         """Tell kvd the READs of ``req_id`` landed in ``block_ids``; the answer is an event.
 
@@ -355,20 +341,7 @@ class Client:
         """
         if cache_id not in self._caches.ids:
             self._caches.check(cache_id, self.status())
-        self.send_raw(
-            read_done_message(
-                req_id,
-                cache_id,
-                block_ids,
-                remote_layout=remote_layout,
-                remote_format=remote_format,
-                block_size_ratio=block_size_ratio,
-                remote_block_size=remote_block_size,
-                remote_engine_id=remote_engine_id,
-                covered_sub_blocks=covered_sub_blocks,
-                generation=generation,
-            )
-        )
+        self.send_raw(read_done_message(req_id, cache_id, block_ids, **fields))
 
     def read_failed(
         self,
@@ -531,32 +504,12 @@ class AsyncClient:
         req_id: str,
         cache_id: str,
         block_ids: Sequence[int],
-        *,
-        remote_layout: Layout | None = None,
-        remote_format: FormatRef | None = None,
-        block_size_ratio: int = 0,
-        remote_block_size: int = 0,
-        remote_engine_id: str = "",
-        covered_sub_blocks: int = 0,
-        generation: int = 0,
+        **fields: Unpack[ReadDoneFields],
     ) -> None:
         """As ``Client.read_done``."""
         if cache_id not in self._caches.ids:
             self._caches.check(cache_id, await self.status())
-        await self.send_raw(
-            read_done_message(
-                req_id,
-                cache_id,
-                block_ids,
-                remote_layout=remote_layout,
-                remote_format=remote_format,
-                block_size_ratio=block_size_ratio,
-                remote_block_size=remote_block_size,
-                remote_engine_id=remote_engine_id,
-                covered_sub_blocks=covered_sub_blocks,
-                generation=generation,
-            )
-        )
+        await self.send_raw(read_done_message(req_id, cache_id, block_ids, **fields))
 
     async def read_failed(
         self,

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 from kvd.daemon.ledger import RemoteFormat
+from kvd.layout.geometry import remote_pages_held
 from kvd.protocol import FormatRef, Layout, PageFormat, Reason
 
 if TYPE_CHECKING:  # loaded by the first Attach (attach.py), after READY
@@ -74,7 +75,10 @@ class Route:
         bytes, or ``covered`` leaves pages (partly) unwritten, which are then zeroed."""
         if not num_ids:
             return False
-        return self.moves_bytes or 0 < covered < num_ids // self.pages * self.remote_pages
+        # The usual request (no byte moved, covered 0) stops before the arithmetic.
+        return self.moves_bytes or (
+            0 < covered < remote_pages_held(num_ids, self.pages, self.remote_pages)
+        )
 
 
 def remember(memo: dict[K, V], key: K, value: V) -> V:
