@@ -33,7 +33,6 @@ from kvd.shm import ShmCache
 from kvd.tables import format_table
 
 Objective = Literal["balanced", "throughput", "p50", "p99"]
-OBJECTIVES: tuple[Objective, ...] = ("balanced", "throughput", "p50", "p99")
 
 
 class TuneError(ValueError):

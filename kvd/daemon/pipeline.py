@@ -18,7 +18,7 @@ import os
 import signal
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import msgspec
 
@@ -593,9 +593,6 @@ class Pipeline:
         if idle is None:
             idle = self._idle_caches[cache_id] = self.loop.create_future()
         await asyncio.shield(idle)
-
-    def unfinished(self) -> Iterable[Request]:
-        return self.ledger.requests()
 
     def close(self, timeout: float | None = None) -> bool:
         self._timer.close()
