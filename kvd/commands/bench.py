@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 from typing import Any
 
 from kvd.commands import argument, deferred, positive, subcommand
@@ -144,32 +145,29 @@ def add(commands: Any) -> None:
     kernels.add_argument("--repeat", type=int, default=7, help="interleaved repetitions")
     add_progress_flag(kernels)
     kernels.set_defaults(run=deferred("kvd.bench.kernels"))
-    from kvd.bench.vllm import HELP as VLLM_HELP
-    from kvd.bench.vllm import add_arguments as add_vllm_arguments
-
-    vllm = subcommand(
-        which,
-        "vllm",
-        help="a real vLLM prefill/decode pair on CPU, stock vLLM and kvd side by side, "
-        "one request at a time and under load",
-        description=VLLM_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_vllm_arguments(vllm)
-    vllm.set_defaults(run=deferred("kvd.bench.vllm"))
-    from kvd.bench.serve import HELP as SERVE_HELP
-    from kvd.bench.serve import add_arguments as add_serve_arguments
-
-    serve = subcommand(
-        which,
-        "serve",
-        help="the deployed shape: vllm serve prefill and decode servers behind a P/D proxy, "
-        "driven by vllm bench serve, stock vLLM's decode and kvd's side by side",
-        description=SERVE_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_serve_arguments(serve)
-    serve.set_defaults(run=deferred("kvd.bench.serve"))
+    # These two keep their flags and description beside the run (HELP, add_arguments).
+    for name, text in (
+        (
+            "vllm",
+            "a real vLLM prefill/decode pair on CPU, stock vLLM and kvd side by side, one "
+            "request at a time and under load",
+        ),
+        (
+            "serve",
+            "the deployed shape: vllm serve prefill and decode servers behind a P/D proxy, "
+            "driven by vllm bench serve, stock vLLM's decode and kvd's side by side",
+        ),
+    ):
+        module = importlib.import_module(f"kvd.bench.{name}")
+        command = subcommand(
+            which,
+            name,
+            help=text,
+            description=module.HELP,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        module.add_arguments(command)
+        command.set_defaults(run=deferred(module.__name__))
     chaos = subcommand(
         which,
         "chaos",
