@@ -12,10 +12,14 @@ no daemon serves it: checked before it first connects, and again when a wait tim
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
-from collections.abc import Iterable, Sequence
+import typing
+from collections.abc import Callable, Coroutine, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypedDict, TypeVar, Unpack
 
 import msgspec
 import zmq
@@ -60,6 +64,12 @@ from kvd.subscription import AsyncSubscription, Delivery, EventsLost, ReplayErro
 
 if TYPE_CHECKING:
     from kvd.shm import ShmCache
+
+P = ParamSpec("P")
+R = TypeVar("R")
+F = TypeVar("F", bound=Callable[..., Any])
+C = TypeVar("C", bound=zmq.Context[Any])
+S = TypeVar("S", bound=zmq.Socket[Any])
 
 DEFAULT_TIMEOUT_S = 10.0
 ATTACH_TIMEOUT_S = 120.0
@@ -127,14 +137,44 @@ _ENCODER = msgspec.msgpack.Encoder()
 _REPLY_DECODER = msgspec.msgpack.Decoder(ControlReply)
 
 
-def _unwrap(reply: ControlReply, expected: type[Any]) -> Any:
-    if isinstance(reply, Error):
-        raise KvdError(reply.code, reply.message)
-    if not isinstance(reply, expected):
-        raise KvdError(
-            "internal", f"expected a {expected.__name__} reply, got {type(reply).__name__}"
-        )
-    return reply
+@dataclass(frozen=True, slots=True)
+class _Call(Generic[R]):
+    """One control call: its request, the reply it must get, its deadline (None: the client's)
+    and what a success changes on the client."""
+
+    request: ControlRequest
+    reply: type[R]
+    timeout: float | None = None
+    then: Callable[[], object] | None = None
+
+    def frames(self) -> list[bytes]:
+        return [b"", _ENCODER.encode(self.request)]
+
+    def result(self, frames: list[bytes]) -> R:
+        """The reply in ``frames``; ``KvdError`` for an Error or a reply of another kind."""
+        reply = _REPLY_DECODER.decode(frames[-1])
+        if isinstance(reply, Error):
+            raise KvdError(reply.code, reply.message)
+        if not isinstance(reply, self.reply):
+            raise KvdError(
+                "internal", f"expected a {self.reply.__name__} reply, got {type(reply).__name__}"
+            )
+        if self.then is not None:
+            self.then()
+        return reply
+
+
+class ReadDoneFields(TypedDict, total=False):
+    """A ReadDone's optional fields, as ``read_done`` and ``read_done_message`` take them
+    (``kvd.protocol.ReadDone`` says what each means; left out, each is its default there)."""
+
+    remote_layout: Layout | None
+    remote_format: FormatRef | None
+    block_size_ratio: int
+    remote_block_size: int
+    remote_engine_id: str
+    covered_sub_blocks: int
+    generation: int
 
 
 def read_done_message(
@@ -142,31 +182,20 @@ def read_done_message(
     cache_id: str,
     block_ids: Sequence[int],
     *,
-    remote_layout: Layout | None = None,
-    remote_format: FormatRef | None = None,
-    block_size_ratio: int = 0,
-    remote_block_size: int = 0,
-    remote_engine_id: str = "",
-    covered_sub_blocks: int = 0,
-    generation: int = 0,
     groups: Sequence[tuple[int, int]] = (),
+    **fields: Unpack[ReadDoneFields],
 ) -> bytes:
-    """A ReadDone's frame; ``groups``: (blocks, covered_sub_blocks) of each KV cache group of a
-    hybrid model, splitting ``block_ids`` in order (sent as protocol version 2)."""
+    """The encoded ReadDone of ``req_id``'s blocks ``block_ids`` in ``cache_id``; ``groups``:
+    (blocks, covered_sub_blocks) of each KV cache group of a hybrid model, splitting
+    ``block_ids`` in order (sent as protocol version 2)."""
     return _ENCODER.encode(
         ReadDone(
             req_id=req_id,
             cache_id=cache_id,
-            remote_layout=remote_layout,
-            remote_format=remote_format,
             physical_block_ids=list(block_ids),
-            block_size_ratio=block_size_ratio,
-            remote_block_size=remote_block_size,
-            remote_engine_id=remote_engine_id,
-            covered_sub_blocks=covered_sub_blocks,
-            generation=generation,
             groups=[BlockGroup(num_blocks=n, covered_sub_blocks=c) for n, c in groups],
             v=GROUPS_VERSION if groups else PROTOCOL_VERSION,
+            **fields,
         )
     )
 
@@ -238,8 +267,11 @@ def _place_io_thread(ctx: zmq.Context[Any], cpus: frozenset[int]) -> None:
         ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, cpu)
 
 
-class Client:
-    """Synchronous client; one per thread (ZMQ sockets are not thread-safe)."""
+class _ClientCore(Generic[C, S]):
+    """What ``Client`` and ``AsyncClient`` share: where kvd is, the deadlines, the caches this
+    client may notify about, the sockets, and each control call's request and reply (the
+    ``_call_*`` builders, made methods by ``_blocking`` and ``_awaitable``). The two flavours
+    add only the waiting: ``_request``, ``send_raw``, ``subscribe``."""
 
     def __init__(
         self,
@@ -260,76 +292,63 @@ class Client:
         """Seconds a call waits for its reply (``DEFAULT_TIMEOUT_S`` unless given)."""
         self._attach_timeout = ATTACH_TIMEOUT_S if timeout is None else None
         """An Attach's, when ``timeout`` was not given; else an Attach waits ``timeout`` too."""
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._ctx = self._new_context()
         if io_cpus is not None:
             _place_io_thread(self._ctx, io_cpus)
-        self._control: zmq.Socket[bytes] | None = None
-        self._push: zmq.Socket[bytes] | None = None
+        self._control: S | None = None
+        self._push: S | None = None
         self._caches = _KnownCaches()
 
-    # -- control --------------------------------------------------------------------------------
+    def _new_context(self) -> C:
+        raise NotImplementedError
 
-    def ping(self) -> Pong:
-        result: Pong = _unwrap(self._call(Ping()), Pong)
-        return result
+    # -- control: each call's request and reply ------------------------------------------------
 
-    def attach(
+    def _call_ping(self) -> _Call[Pong]:
+        return _Call(Ping(), Pong)
+
+    def _call_attach(
         self, cache_id: str, tensors: Sequence[TensorSpec], *, engine_id: str = ""
-    ) -> Attached:
+    ) -> _Call[Attached]:
         request = Attach(cache_id=cache_id, tensors=list(tensors), engine_id=engine_id)
-        result: Attached = _unwrap(self._call(request, self._attach_timeout), Attached)
-        self._caches.ids.add(cache_id)
-        return result
+        return _Call(
+            request, Attached, self._attach_timeout, lambda: self._caches.ids.add(cache_id)
+        )
 
-    def detach(self, cache_id: str, *, engine_id: str = "", force: bool = False) -> Detached:
+    def _call_detach(
+        self, cache_id: str, *, engine_id: str = "", force: bool = False
+    ) -> _Call[Detached]:
         """Detach a cache this client (or ``engine_id``) attached; ``force`` is for operators
         running as kvd's user."""
         request = Detach(cache_id=cache_id, engine_id=engine_id, force=force)
-        result: Detached = _unwrap(self._call(request), Detached)
-        self._caches.ids.discard(cache_id)
-        return result
+        return _Call(request, Detached, then=lambda: self._caches.ids.discard(cache_id))
 
-    def status(self) -> DaemonStatus:
-        result: DaemonStatus = _unwrap(self._call(Status()), DaemonStatus)
-        return result
+    def _call_status(self) -> _Call[DaemonStatus]:
+        return _Call(Status(), DaemonStatus)
 
-    def request_status(self, req_id: str, cache_id: str = "") -> RequestStatus:
-        reply = self._call(Status(req_id=req_id, cache_id=cache_id))
-        result: RequestStatus = _unwrap(reply, RequestStatus)
-        return result
+    def _call_request_status(self, req_id: str, cache_id: str = "") -> _Call[RequestStatus]:
+        return _Call(Status(req_id=req_id, cache_id=cache_id), RequestStatus)
 
-    def configure(
+    def _call_configure(
         self,
         *,
         batch_window_us: BatchWindow | None = None,
         max_batch_blocks: int | None = None,
-    ) -> Configured:
+    ) -> _Call[Configured]:
         """Change the batching of the running kvd (only as kvd's user or root, over ipc); with
         no argument, only ask. Returns the settings in force."""
         request = Configure(batch_window_us=batch_window_us, max_batch_blocks=max_batch_blocks)
-        result: Configured = _unwrap(self._call(request), Configured)
-        return result
+        return _Call(request, Configured)
 
-    def heartbeat(self, engine_id: str) -> Lease:
+    def _call_heartbeat(self, engine_id: str) -> _Call[Lease]:
         """Tell kvd engine ``engine_id`` is alive. Once an engine sent one, kvd detaches its
         caches when none comes for ``Lease.lease_s``: call it every third of that."""
-        result: Lease = _unwrap(self._call(Heartbeat(engine_id=engine_id)), Lease)
-        return result
+        return _Call(Heartbeat(engine_id=engine_id), Lease)
 
-    def _call(self, request: ControlRequest, timeout: float | None = None) -> ControlReply:
-        """Send ``request`` and wait ``timeout`` (else the client's) for the reply."""
-        timeout = self.timeout if timeout is None else timeout
-        sock = self._control_socket()
-        sock.send_multipart([b"", _ENCODER.encode(request)])
-        if not sock.poll(int(timeout * 1000)):
-            # A late reply would be taken for the next request's: start over with a new socket.
-            sock.close()
-            self._control = None
-            raise self._locator.timed_out(f"no reply from kvd at {self.endpoints.control}", timeout)
-        frames = sock.recv_multipart()
-        return _REPLY_DECODER.decode(frames[-1])
+    def _timeout_of(self, call: _Call[Any]) -> float:
+        return self.timeout if call.timeout is None else call.timeout
 
-    def _control_socket(self) -> zmq.Socket[bytes]:
+    def _control_socket(self) -> S:
         if self._control is None:
             self._locator.check()
             self.endpoints = self._locator.endpoints()
@@ -339,6 +358,100 @@ class Client:
             self._control = sock
         return self._control
 
+    def _no_reply(self, timeout: float) -> Exception:
+        """The error of a call whose reply did not come in ``timeout``."""
+        # A late reply would be taken for the next request's: start over with a new socket.
+        if self._control is not None:
+            self._control.close()
+            self._control = None
+        return self._locator.timed_out(f"no reply from kvd at {self.endpoints.control}", timeout)
+
+    # -- notifications and events ---------------------------------------------------------------
+
+    def ingest_socket(self, *, linger_s: float) -> S:
+        """A new PUSH socket to kvd's ingest endpoint, for a thread that sends notifications
+        itself (a socket serves one thread). Unbounded: a send never blocks once connected;
+        ``linger_s`` is how long unsent frames are kept when it is closed."""
+        sock: S = self._ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, int(linger_s * 1000))
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.connect(self.endpoints.ingest)
+        return sock
+
+    def _push_socket(self) -> S:
+        if self._push is None:
+            self._locator.check()
+            # Keep unsent notifications for a while on close: losing one strands a request.
+            self._push = self.ingest_socket(linger_s=self.timeout)
+        return self._push
+
+    def close(self) -> None:
+        """Close every socket of this client, its subscriptions' too, then the context.
+
+        Unsent notifications get the socket's linger (the client timeout) to go out.
+        """
+        self._ctx.destroy()
+        self._control = self._push = None
+
+
+def _blocking(
+    build: Callable[Concatenate[Any, P], _Call[R]],
+) -> Callable[Concatenate[Client, P], R]:
+    """The ``Client`` method of a ``_ClientCore._call_*`` builder: build, send, wait."""
+
+    def method(self: Client, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return self._request(build(self, *args, **kwargs))
+
+    return _named_after(build, method, "Client")
+
+
+def _awaitable(
+    build: Callable[Concatenate[Any, P], _Call[R]],
+) -> Callable[Concatenate[AsyncClient, P], Coroutine[Any, Any, R]]:
+    """The ``AsyncClient`` method of a ``_ClientCore._call_*`` builder."""
+
+    async def method(self: AsyncClient, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return await self._request(build(self, *args, **kwargs))
+
+    return _named_after(build, method, "AsyncClient")
+
+
+def _named_after(build: Callable[..., Any], method: F, owner: str) -> F:
+    """``method`` as ``help()`` shows it: ``build``'s name less ``_call_``, its docstring, and
+    its signature with the reply as the result."""
+    functools.update_wrapper(method, build)
+    name = build.__name__.removeprefix("_call_")
+    signature = inspect.signature(build, eval_str=True)
+    (reply,) = typing.get_args(signature.return_annotation)
+    method.__name__, method.__qualname__ = name, f"{owner}.{name}"
+    vars(method)["__signature__"] = signature.replace(return_annotation=reply)
+    return method
+
+
+class Client(_ClientCore[zmq.Context[zmq.Socket[bytes]], zmq.Socket[bytes]]):
+    """Synchronous client; one per thread (ZMQ sockets are not thread-safe)."""
+
+    def _new_context(self) -> zmq.Context[zmq.Socket[bytes]]:
+        return zmq.Context()
+
+    # -- control --------------------------------------------------------------------------------
+
+    ping = _blocking(_ClientCore._call_ping)
+    attach = _blocking(_ClientCore._call_attach)
+    detach = _blocking(_ClientCore._call_detach)
+    status = _blocking(_ClientCore._call_status)
+    request_status = _blocking(_ClientCore._call_request_status)
+    configure = _blocking(_ClientCore._call_configure)
+    heartbeat = _blocking(_ClientCore._call_heartbeat)
+
+    def _request(self, call: _Call[R]) -> R:
+        """Send ``call``'s request and wait for its reply (``KvdTimeout`` after its timeout)."""
+        timeout, sock = self._timeout_of(call), self._control_socket()
+        sock.send_multipart(call.frames())
+        if not sock.poll(int(timeout * 1000)):
+            raise self._no_reply(timeout)
+        return call.result(sock.recv_multipart())
+
     # -- notifications --------------------------------------------------------------------------
 
     def read_done(
@@ -347,14 +460,8 @@ class Client:
         cache_id: str,
         block_ids: Sequence[int],
         *,
-        remote_layout: Layout | None = None,
-        remote_format: FormatRef | None = None,
-        block_size_ratio: int = 0,
-        remote_block_size: int = 0,
-        remote_engine_id: str = "",
-        covered_sub_blocks: int = 0,
-        generation: int = 0,
         groups: Sequence[tuple[int, int]] = (),
+        **fields: Unpack[ReadDoneFields],
     ) -> None:
         """Tell kvd the READs of ``req_id`` landed in ``block_ids``; the answer is an event.
 
@@ -364,21 +471,7 @@ class Client:
         """
         if cache_id not in self._caches.ids:
             self._caches.check(cache_id, self.status())
-        self.send_raw(
-            read_done_message(
-                req_id,
-                cache_id,
-                block_ids,
-                remote_layout=remote_layout,
-                remote_format=remote_format,
-                block_size_ratio=block_size_ratio,
-                remote_block_size=remote_block_size,
-                remote_engine_id=remote_engine_id,
-                covered_sub_blocks=covered_sub_blocks,
-                generation=generation,
-                groups=groups,
-            )
-        )
+        self.send_raw(read_done_message(req_id, cache_id, block_ids, groups=groups, **fields))
 
     def read_failed(
         self,
@@ -398,21 +491,7 @@ class Client:
 
     def send_raw(self, frame: bytes) -> None:
         """Send one already-encoded frame on the ingest socket (tests and tools)."""
-        if self._push is None:
-            self._locator.check()
-            # Keep unsent notifications for a while on close: losing one strands a request.
-            self._push = self.ingest_socket(linger_s=self.timeout)
-        self._push.send(frame)
-
-    def ingest_socket(self, *, linger_s: float) -> zmq.Socket[bytes]:
-        """A new PUSH socket to kvd's ingest endpoint, for a thread that sends notifications
-        itself (a socket serves one thread). Unbounded: a send never blocks once connected;
-        ``linger_s`` is how long unsent frames are kept when it is closed."""
-        sock = self._ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, int(linger_s * 1000))
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.connect(self.endpoints.ingest)
-        return sock
+        self._push_socket().send(frame)
 
     # -- events ---------------------------------------------------------------------------------
 
@@ -428,14 +507,6 @@ class Client:
             check=self._locator.check,
         )
 
-    def close(self) -> None:
-        """Close every socket of this client, its subscriptions' too, then the context.
-
-        Unsent notifications get the socket's linger (the client timeout) to go out.
-        """
-        self._ctx.destroy()
-        self._control = self._push = None
-
     def __enter__(self) -> Client:
         return self
 
@@ -443,98 +514,27 @@ class Client:
         self.close()
 
 
-class AsyncClient:
+class AsyncClient(_ClientCore[zmq.asyncio.Context, zmq.asyncio.Socket]):
     """The asyncio flavour of ``Client`` (control calls and notifications)."""
 
-    def __init__(
-        self,
-        runtime_dir: str | Path | None = None,
-        *,
-        gpu: str = "0",
-        endpoints: Endpoints | None = None,
-        timeout: float | None = None,
-        io_cpus: frozenset[int] | None = None,
-    ) -> None:
-        """``io_cpus``: the CPUs ZMQ's I/O thread, which moves this client's messages, runs on;
-        by default the CPUs of the thread that makes the client's first socket. ``IoCpusRefused``
-        (a ``ValueError``) when this process may not run there."""
-        self._locator = _Locator(runtime_dir, gpu, endpoints)
-        self.runtime_dir = self._locator.runtime_dir
-        self.endpoints = self._locator.endpoints()
-        self.timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
-        """Seconds a call waits for its reply (``DEFAULT_TIMEOUT_S`` unless given)."""
-        self._attach_timeout = ATTACH_TIMEOUT_S if timeout is None else None
-        """An Attach's, when ``timeout`` was not given; else an Attach waits ``timeout`` too."""
-        self._ctx = zmq.asyncio.Context()
-        if io_cpus is not None:
-            _place_io_thread(self._ctx, io_cpus)
-        self._control: zmq.asyncio.Socket | None = None
-        self._push: zmq.asyncio.Socket | None = None
-        self._caches = _KnownCaches()
+    def _new_context(self) -> zmq.asyncio.Context:
+        return zmq.asyncio.Context()
 
-    async def ping(self) -> Pong:
-        result: Pong = _unwrap(await self._call(Ping()), Pong)
-        return result
+    ping = _awaitable(_ClientCore._call_ping)
+    attach = _awaitable(_ClientCore._call_attach)
+    detach = _awaitable(_ClientCore._call_detach)
+    status = _awaitable(_ClientCore._call_status)
+    request_status = _awaitable(_ClientCore._call_request_status)
+    configure = _awaitable(_ClientCore._call_configure)
+    heartbeat = _awaitable(_ClientCore._call_heartbeat)
 
-    async def attach(
-        self, cache_id: str, tensors: Sequence[TensorSpec], *, engine_id: str = ""
-    ) -> Attached:
-        reply = await self._call(
-            Attach(cache_id=cache_id, tensors=list(tensors), engine_id=engine_id),
-            self._attach_timeout,
-        )
-        result: Attached = _unwrap(reply, Attached)
-        self._caches.ids.add(cache_id)
-        return result
-
-    async def detach(self, cache_id: str, *, engine_id: str = "", force: bool = False) -> Detached:
-        reply = await self._call(Detach(cache_id=cache_id, engine_id=engine_id, force=force))
-        result: Detached = _unwrap(reply, Detached)
-        self._caches.ids.discard(cache_id)
-        return result
-
-    async def status(self) -> DaemonStatus:
-        result: DaemonStatus = _unwrap(await self._call(Status()), DaemonStatus)
-        return result
-
-    async def request_status(self, req_id: str, cache_id: str = "") -> RequestStatus:
-        reply = await self._call(Status(req_id=req_id, cache_id=cache_id))
-        result: RequestStatus = _unwrap(reply, RequestStatus)
-        return result
-
-    async def configure(
-        self,
-        *,
-        batch_window_us: BatchWindow | None = None,
-        max_batch_blocks: int | None = None,
-    ) -> Configured:
-        """As ``Client.configure``."""
-        request = Configure(batch_window_us=batch_window_us, max_batch_blocks=max_batch_blocks)
-        result: Configured = _unwrap(await self._call(request), Configured)
-        return result
-
-    async def heartbeat(self, engine_id: str) -> Lease:
-        """As ``Client.heartbeat``."""
-        result: Lease = _unwrap(await self._call(Heartbeat(engine_id=engine_id)), Lease)
-        return result
-
-    async def _call(self, request: ControlRequest, timeout: float | None = None) -> ControlReply:
-        """As ``Client._call``."""
-        timeout = self.timeout if timeout is None else timeout
-        if self._control is None:
-            self._locator.check()
-            self.endpoints = self._locator.endpoints()
-            self._control = self._ctx.socket(zmq.DEALER)
-            self._control.setsockopt(zmq.LINGER, 0)
-            self._control.connect(self.endpoints.control)
-        sock = self._control
-        await sock.send_multipart([b"", _ENCODER.encode(request)])
+    async def _request(self, call: _Call[R]) -> R:
+        """As ``Client._request``."""
+        timeout, sock = self._timeout_of(call), self._control_socket()
+        await sock.send_multipart(call.frames())
         if not await sock.poll(int(timeout * 1000)):
-            sock.close()
-            self._control = None
-            raise self._locator.timed_out(f"no reply from kvd at {self.endpoints.control}", timeout)
-        frames = await sock.recv_multipart()
-        return _REPLY_DECODER.decode(frames[-1])
+            raise self._no_reply(timeout)
+        return call.result(await sock.recv_multipart())
 
     async def read_done(
         self,
@@ -542,33 +542,13 @@ class AsyncClient:
         cache_id: str,
         block_ids: Sequence[int],
         *,
-        remote_layout: Layout | None = None,
-        remote_format: FormatRef | None = None,
-        block_size_ratio: int = 0,
-        remote_block_size: int = 0,
-        remote_engine_id: str = "",
-        covered_sub_blocks: int = 0,
-        generation: int = 0,
         groups: Sequence[tuple[int, int]] = (),
+        **fields: Unpack[ReadDoneFields],
     ) -> None:
         """As ``Client.read_done``."""
         if cache_id not in self._caches.ids:
             self._caches.check(cache_id, await self.status())
-        await self.send_raw(
-            read_done_message(
-                req_id,
-                cache_id,
-                block_ids,
-                remote_layout=remote_layout,
-                remote_format=remote_format,
-                block_size_ratio=block_size_ratio,
-                remote_block_size=remote_block_size,
-                remote_engine_id=remote_engine_id,
-                covered_sub_blocks=covered_sub_blocks,
-                generation=generation,
-                groups=groups,
-            )
-        )
+        await self.send_raw(read_done_message(req_id, cache_id, block_ids, groups=groups, **fields))
 
     async def read_failed(
         self,
@@ -587,13 +567,7 @@ class AsyncClient:
         )
 
     async def send_raw(self, frame: bytes) -> None:
-        if self._push is None:
-            self._locator.check()
-            self._push = self._ctx.socket(zmq.PUSH)
-            self._push.setsockopt(zmq.LINGER, int(self.timeout * 1000))
-            self._push.setsockopt(zmq.SNDHWM, 0)
-            self._push.connect(self.endpoints.ingest)
-        await self._push.send(frame)
+        await self._push_socket().send(frame)
 
     def subscribe(
         self, topics: Iterable[str] = (), *, from_seq: int | None = None
@@ -608,14 +582,6 @@ class AsyncClient:
             timeout=self.timeout,
             check=self._locator.check,
         )
-
-    def close(self) -> None:
-        """Close every socket of this client, its subscriptions' too, then the context.
-
-        Unsent notifications get the socket's linger (the client timeout) to go out.
-        """
-        self._ctx.destroy()
-        self._control = self._push = None
 
 
 def __getattr__(name: str) -> Any:

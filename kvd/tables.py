@@ -1,7 +1,9 @@
-"""Plain-text tables for the commands' reports: one helper, so every table aligns alike."""
+"""The commands' reports: one table helper, so every table aligns alike, and one quantile, so
+every p50 and p99 of the demo, the benches and ``kvd tune`` means the same."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 
@@ -19,3 +21,12 @@ def format_table(rows: Sequence[Sequence[str]], *, right: Sequence[int] = ()) ->
         ]
         lines.append("  ".join(cells).rstrip())
     return lines
+
+
+def quantile(ordered: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``ordered`` (sorted ascending), by nearest rank: the value at
+    index ``floor(q * n)``, the largest for ``q = 1``; no interpolation, so a p99 is always a
+    measured value. NaN when there are no values."""
+    if not ordered:
+        return math.nan
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]

@@ -4,7 +4,14 @@ from pathlib import Path
 
 import pytest
 
-from kvd.daemon.config import Config, ConfigError, load_config, unknown_env
+from kvd.daemon.config import (
+    Config,
+    ConfigError,
+    load_config,
+    parse_batch_window,
+    parse_batch_windows,
+    unknown_env,
+)
 
 
 def test_defaults() -> None:
@@ -85,3 +92,17 @@ def test_unknown_env_names_the_closest_setting() -> None:
     assert unknown_env({"KVD_NO_UVLOP": "1"}) == [
         "KVD_NO_UVLOP is not a kvd setting and is ignored; did you mean KVD_NO_UVLOOP?"
     ]
+
+
+def test_one_batch_window_parser_for_flags_and_lists() -> None:
+    assert parse_batch_window(" 50 ") == 50 and parse_batch_window("auto") == "auto"
+    for bad in ("soon", "-1", "1000001", "1.5"):
+        with pytest.raises(ValueError, match=r"expected microseconds \(0..1000000\) or 'auto'"):
+            parse_batch_window(bad)
+    assert parse_batch_windows("0, 50,auto") == [0, 50, "auto"]
+    with pytest.raises(ValueError, match=r"comma-separated microseconds \(0..1000000\), got"):
+        parse_batch_windows("0,auto", auto=False)
+    with pytest.raises(ValueError, match="give two or more distinct windows"):
+        parse_batch_windows("50,50", at_least=2)
+    with pytest.raises(ValueError, match="repeats a window"):
+        parse_batch_windows("0,50,0")

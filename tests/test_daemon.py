@@ -199,7 +199,8 @@ BAD_NOTIFICATIONS = [
     ({"block_size_ratio": "2"}, "invalid_message", "$.block_size_ratio"),
     ({"remote_layout": None}, "invalid_format", "give the remote page format"),
     ({"type": "read_later"}, "invalid_message", "Invalid value 'read_later' - at `$.type`"),
-    ({"v": 2}, "unsupported_version", "protocol version 2"),
+    ({"v": 3}, "unsupported_version", "protocol version 3"),
+    ({"v": 2}, "invalid_message", "groups: a ReadDone lists groups exactly when its v is 2"),
     ({"req_id": "", "cache_id": "x"}, None, None),  # empty req_id: nobody to answer
 ]
 

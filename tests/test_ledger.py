@@ -15,7 +15,8 @@ from kvd.daemon.ledger import (
     State,
     outcome_bytes,
 )
-from kvd.daemon.validate import InFlight, Rejection, Repeat, identify
+from kvd.daemon.routes import Rejection
+from kvd.daemon.validate import InFlight, Repeat, identify
 from kvd.protocol import ReadDone, ReadFailed, Reason
 from tests.test_batcher import req
 

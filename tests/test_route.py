@@ -9,8 +9,9 @@ import torch
 
 from kvd.daemon.attach import open_cache
 from kvd.daemon.ledger import Ledger
-from kvd.daemon.registry import ROUTES_PER_CACHE, AttachedCache, Owner, Registry
-from kvd.daemon.validate import Rejection, Route, validate_read_done
+from kvd.daemon.registry import AttachedCache, Owner, Registry
+from kvd.daemon.routes import ROUTES_PER_CACHE, Rejection, Route
+from kvd.daemon.validate import validate_read_done
 from kvd.protocol import GROUPS_VERSION, Attach, BlockGroup, Layout, ReadDone, Reason
 from kvd.shm import ShmCache
 

@@ -46,7 +46,7 @@ from kvd.daemon_process import DaemonProcess
 from kvd.progress import progress_bar
 from kvd.protocol import Layout
 from kvd.shm import ShmCache
-from kvd.tables import format_table
+from kvd.tables import format_table, quantile
 
 CACHE_ID = "bench"
 TARGET_P50 = 1.3
@@ -92,11 +92,6 @@ _OUTCOME = msgspec.msgpack.Decoder(_Outcome)
 
 class MixError(RuntimeError):
     """The target sent no events, failed a warm-up notification or stopped answering."""
-
-
-def percentile(ordered: list[float], q: float) -> float:
-    """The ``q`` quantile (0..1) of ``ordered`` (sorted), nearest rank below."""
-    return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
 
 
 def _next_event(target: Target, received: int, expected: int) -> bytes:
@@ -236,8 +231,8 @@ def measure(
     latencies.sort()
     return Figures(
         throughput=messages / elapsed,
-        p50_us=percentile(latencies, 0.50),
-        p99_us=percentile(latencies, 0.99),
+        p50_us=quantile(latencies, 0.50),
+        p99_us=quantile(latencies, 0.99),
         failed=failed,
         cpu_us=cpu_s / messages * 1e6,
         kernel_us=kernel_us,
@@ -381,8 +376,8 @@ def drive(
     elapsed_s = max(last_timed_ns - first_timed_ns, 1) / 1e9
     return Figures(
         throughput=mix.messages / elapsed_s,
-        p50_us=percentile(latencies, 0.50),
-        p99_us=percentile(latencies, 0.99),
+        p50_us=quantile(latencies, 0.50),
+        p99_us=quantile(latencies, 0.99),
         failed=failed,
     )
 

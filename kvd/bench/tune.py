@@ -1,7 +1,7 @@
 """``kvd tune``: measure a batch-window sweep with your geometry and request mix, and pick one.
 
-For each window a real ``kvd serve`` is started with ``--batch-window-us`` set to it, a
-shared-memory cache of the given geometry is attached, and the mix is sent with
+The sweep is ``kvd.bench.sweep``'s: one ``kvd serve`` with a shared-memory cache of the given
+geometry attached, its window set live before each run, and the mix sent with
 ``kvd.bench.pipeline.drive``: notifications whose remote layout or block size needs a real
 rewrite, each naming its own blocks. With ``--repeat`` the windows are visited again in reverse
 order (like the rounds of ``kvd bench pipeline``) and each figure is the median over visits.
@@ -18,32 +18,21 @@ import importlib.util
 import json
 import statistics
 import sys
-import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import zmq
-
-from kvd.bench.pipeline import (
-    Figures,
-    Mix,
-    MixError,
-    Target,
-    drive,
-    probe_messages,
-    slot_messages,
-)
-from kvd.daemon_process import DaemonError, DaemonProcess
+from kvd.bench.pipeline import Figures, MixError
+from kvd.bench.sweep import Load, Sweep, schedule
+from kvd.daemon.config import parse_batch_windows
+from kvd.daemon_process import DaemonError
 from kvd.dtypes import ITEMSIZE
 from kvd.progress import progress_bar
 from kvd.shm import ShmCache
 from kvd.tables import format_table
 
-CACHE_ID = "tune"
 Objective = Literal["balanced", "throughput", "p50", "p99"]
-OBJECTIVES: tuple[Objective, ...] = ("balanced", "throughput", "p50", "p99")
 
 
 class TuneError(ValueError):
@@ -68,18 +57,12 @@ class Recommendation:
 
 
 def parse_windows(text: str) -> list[int]:
-    """``"0,50,100"`` -> [0, 50, 100]: distinct windows in microseconds, 0..1_000_000."""
+    """``"0,50,100"`` -> [0, 50, 100]: distinct fixed windows (``parse_batch_windows``)."""
     try:
-        windows = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise TuneError(f"--windows: expected comma-separated integers, got {text!r}") from None
-    if not windows:
-        raise TuneError("--windows: give at least one window")
-    if any(not 0 <= w <= 1_000_000 for w in windows):
-        raise TuneError("--windows: each window must be in 0..1000000 microseconds")
-    if len(set(windows)) != len(windows):
-        raise TuneError(f"--windows: {text!r} repeats a window")
-    return windows
+        windows = parse_batch_windows(text, auto=False)
+    except ValueError as exc:
+        raise TuneError(f"--windows: {exc}") from None
+    return [w for w in windows if w != "auto"]  # none is: the type says so
 
 
 def recommend(
@@ -159,54 +142,6 @@ def _check(args: argparse.Namespace) -> tuple[list[int], int]:
     return windows, slots
 
 
-def _measure_window(
-    args: argparse.Namespace,
-    *,
-    cache: ShmCache,
-    ctx: zmq.Context[zmq.Socket[bytes]],
-    work: Path,
-    window_us: int,
-    visit: int,
-    slots: int,
-    progress: Callable[[int], object],
-) -> Figures:
-    daemon = DaemonProcess(
-        "--log-level",
-        "warning",
-        "--batch-window-us",
-        str(window_us),
-        runtime_dir=work / f"kvd-{window_us}-{visit}",
-    )
-    daemon.start()
-    # Open for the whole run: the cache is held by this connection (engine_lease_s).
-    client = daemon.client()
-    try:
-        client.attach(CACHE_ID, cache.specs)
-        endpoints = daemon.endpoints()
-        target = Target(ctx, endpoints.ingest, endpoints.events, topic=CACHE_ID)
-        try:
-            target.warm_up(probe_messages(CACHE_ID, args.layout))
-            mix = Mix(
-                messages=args.messages,
-                concurrency=args.concurrency,
-                rate=args.rate or 0.0,
-                warmup=args.warmup,
-            )
-            return drive(
-                target,
-                slot_messages(CACHE_ID, args.blocks, args.remote_layout, args.ratio),
-                slots=slots,
-                mix=mix,
-                prefix=f"w{window_us}",
-                progress=progress,
-            )
-        finally:
-            target.close()
-    finally:
-        client.close()
-        daemon.close()
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         windows, slots = _check(args)
@@ -225,38 +160,38 @@ def run(args: argparse.Namespace) -> int:
         layout=args.layout,
         kv_arrangement=args.kv_arrangement,
     )
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    load = Load(
+        concurrency=0 if args.rate else args.concurrency, rate=args.rate or 0.0, slots=slots
+    )
+    sweep = Sweep(
+        cache, args.layout, blocks=args.blocks, remote_layout=args.remote_layout, ratio=args.ratio
+    )
     per_run = args.warmup + args.messages
     try:
         with (
-            tempfile.TemporaryDirectory(prefix="kvd-tune-") as tmp,
+            sweep,
             progress_bar(
                 len(windows) * args.repeat * per_run, "kvd tune", unit="msg", quiet=quiet
             ) as bar,
         ):
-            for visit in range(args.repeat):
-                for window_us in windows if visit % 2 == 0 else windows[::-1]:
-                    bar.set_postfix_str(f"window {window_us} us")
-                    figures = _measure_window(
-                        args,
-                        cache=cache,
-                        ctx=ctx,
-                        work=Path(tmp),
-                        window_us=window_us,
-                        visit=visit,
-                        slots=slots,
-                        progress=bar.update,
-                    )
-                    visits[window_us].append(figures)
-                    bar.write(
-                        f"window {window_us:>7} us: {figures.throughput:10,.0f} notifications/s"
-                        f"  p50 {figures.p50_us:8,.0f} us  p99 {figures.p99_us:8,.0f} us"
-                    )
+            for _, window_us in schedule([load], windows, args.repeat):
+                bar.set_postfix_str(f"window {window_us} us")
+                figures = sweep.run(
+                    load,
+                    window_us,
+                    messages=args.messages,
+                    warmup=args.warmup,
+                    progress=bar.update,
+                ).figures
+                visits[window_us].append(figures)
+                bar.write(
+                    f"window {window_us:>7} us: {figures.throughput:10,.0f} notifications/s"
+                    f"  p50 {figures.p50_us:8,.0f} us  p99 {figures.p99_us:8,.0f} us"
+                )
     except (DaemonError, MixError) as exc:
         print(f"kvd tune: {exc}", file=sys.stderr)
         return 1
     finally:
-        ctx.term()
         cache.close()
 
     results = [_median(w, figures) for w, figures in visits.items()]

@@ -20,17 +20,15 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvd.bench.stalls import verdict as stall_verdict
-from kvd.tables import format_table
+from kvd.tables import format_table, quantile
 
 CONNECTORS = ("stock", "kvd")
 
 
 def ms(values: Sequence[float], q: float) -> float:
-    """The ``q`` quantile of ``values`` (seconds) in milliseconds; NaN when there are none."""
-    ordered = sorted(values)
-    if not ordered:
-        return math.nan
-    return 1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    """The ``q`` quantile (``kvd.tables.quantile``) of ``values`` (seconds) in milliseconds;
+    NaN when there are none."""
+    return 1000 * quantile(sorted(values), q)
 
 
 def _spread(values: Sequence[float]) -> dict[str, float]:

@@ -1,13 +1,12 @@
 """``kvd bench pipeline --windows``: fixed batching windows against ``auto``, at several loads.
 
-One ``kvd serve`` serves every run, and the window is changed between runs with ``Configure``
-(as ``kvd set batch-window-us`` does), so runs differ in the window only. For each load (a
-closed loop at a concurrency, or an open loop at a rate), every round visits every window, in
-alternating order, with ``drive``. Runs are short and rounds many, so that a slow drift of the
-machine's load (it is shared) hits every window alike. Throughput is the median over rounds;
-p50 and p99 are of every latency of the window's runs together (pooled: a p99 of one short run
-is a handful of samples). The report compares ``auto`` with the best fixed window of each load:
-its throughput against the highest, its p99 against the lowest.
+The sweep is ``kvd.bench.sweep``'s: one ``kvd serve``, the window set live between runs, so runs
+differ in the window only. For each load (a closed loop at a concurrency, or an open loop at a
+rate), every round visits every window, in alternating order. Runs are short and rounds many, so
+that a slow drift of the machine's load (it is shared) hits every window alike. Throughput is
+the median over rounds; p50 and p99 are of every latency of the window's runs together (pooled:
+a p99 of one short run is a handful of samples). The report compares ``auto`` with the best
+fixed window of each load: its throughput against the highest, its p99 against the lowest.
 
 Transforms (each notification names blocks of its own, 4 KV heads x 64 head_dim, bf16):
 
@@ -22,32 +21,18 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import zmq
-
-from kvd.bench.pipeline import (
-    Figures,
-    Mix,
-    MixError,
-    Target,
-    drive,
-    percentile,
-    probe_messages,
-    slot_messages,
-)
-from kvd.client import Client
-from kvd.daemon_process import DaemonError, DaemonProcess
+from kvd.bench.pipeline import Figures, MixError
+from kvd.bench.sweep import Load, Sweep, schedule
+from kvd.daemon.config import parse_batch_windows
+from kvd.daemon_process import DaemonError
 from kvd.progress import progress_bar
-from kvd.protocol import MAX_BATCH_WINDOW_US, BatchWindow
+from kvd.protocol import BatchWindow
 from kvd.shm import ShmCache
-from kvd.tables import format_table
+from kvd.tables import format_table, quantile
 
-CACHE_ID = "windows"
 HEADS, HEAD_DIM = 4, 64
 TRANSFORMS = {"layout": (16, 1), "merge": (64, 4)}
 """transform -> (local block size in tokens, block_size_ratio)."""
@@ -61,47 +46,16 @@ class WindowsError(ValueError):
     """Arguments that cannot work; the message names the flag."""
 
 
-@dataclass(frozen=True)
-class Load:
-    concurrency: int = 0
-    rate: float = 0.0
-
-    @property
-    def name(self) -> str:
-        return f"{self.rate:,.0f}/s" if self.rate else f"{self.concurrency} in flight"
-
-    @property
-    def slots(self) -> int:
-        return OPEN_LOOP_SLOTS if self.rate else self.concurrency
-
-
-def parse_windows(text: str) -> list[BatchWindow]:
-    """``"0,50,auto"`` -> [0, 50, "auto"]."""
-    windows: list[BatchWindow] = []
-    for part in (p.strip() for p in text.split(",")):
-        if not part:
-            continue
-        if part == "auto":
-            windows.append("auto")
-            continue
-        try:
-            value = int(part)
-        except ValueError:
-            raise WindowsError(f"--windows: {part!r} is not microseconds or 'auto'") from None
-        if not 0 <= value <= MAX_BATCH_WINDOW_US:
-            raise WindowsError(f"--windows: {value} is outside 0..{MAX_BATCH_WINDOW_US}")
-        windows.append(value)
-    if len(windows) < 2 or len(set(windows)) != len(windows):
-        raise WindowsError("--windows: give two or more distinct windows")
-    return windows
-
-
 def parse_loads(concurrency: str | None, rates: str | None) -> list[Load]:
     try:
         if rates:
-            loads = [Load(rate=float(r)) for r in rates.split(",") if r.strip()]
+            loads = [
+                Load(rate=float(r), slots=OPEN_LOOP_SLOTS) for r in rates.split(",") if r.strip()
+            ]
         else:
-            loads = [Load(concurrency=int(c)) for c in (concurrency or "1,4,16").split(",")]
+            loads = [
+                Load(concurrency=int(c), slots=int(c)) for c in (concurrency or "1,4,16").split(",")
+            ]
     except ValueError:
         raise WindowsError("--concurrency and --rates take comma-separated numbers") from None
     if not loads or any(load.concurrency < 0 or load.rate < 0 for load in loads):
@@ -112,7 +66,10 @@ def parse_loads(concurrency: str | None, rates: str | None) -> list[Load]:
 
 
 def _check(args: argparse.Namespace) -> tuple[list[BatchWindow], list[Load]]:
-    windows = parse_windows(args.windows)
+    try:
+        windows = parse_batch_windows(args.windows, at_least=2)
+    except ValueError as exc:
+        raise WindowsError(f"--windows: {exc}") from None
     loads = parse_loads(args.concurrency, args.rates)
     if args.transform not in TRANSFORMS:
         raise WindowsError("--windows needs --transform layout or merge (none has no work)")
@@ -128,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvd bench pipeline: {exc}", file=sys.stderr)
         return 2
     messages = args.messages or 1000
-    block_size, _ = TRANSFORMS[args.transform]
+    block_size, ratio = TRANSFORMS[args.transform]
     quiet = args.json or args.no_progress
     slots = max(load.slots for load in loads)
     cache = ShmCache.create(
@@ -139,57 +96,33 @@ def run(args: argparse.Namespace) -> int:
         head_dim=HEAD_DIM,
         layout="NHD",
     )
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    work = Path(tempfile.mkdtemp(prefix="kvd-bench-"))
-    daemon = DaemonProcess("--log-level", "warning", runtime_dir=work / "kvd")
     figures: dict[tuple[str, str], list[Figures]] = {}
     latencies: dict[tuple[str, str], list[float]] = {}
     chosen: dict[str, list[int]] = {}
     total = len(loads) * args.rounds * len(windows)
     try:
-        daemon.start()
-        # The client stays open for the whole run: it holds the cache (engine_lease_s).
         with (
-            daemon.client() as client,
+            Sweep(cache, "NHD", blocks=args.blocks, remote_layout="HND", ratio=ratio) as sweep,
             progress_bar(total, "kvd bench pipeline", unit="run", quiet=quiet) as bar,
         ):
-            client.attach(CACHE_ID, cache.specs)
-            endpoints = daemon.endpoints()
-            target = Target(ctx, endpoints.ingest, endpoints.events, topic=CACHE_ID)
-            try:
-                target.warm_up(probe_messages(CACHE_ID, "NHD"))
-                for load in loads:
-                    for r in range(args.rounds):
-                        for window in windows if r % 2 == 0 else windows[::-1]:
-                            bar.set_postfix_str(f"{load.name}, window {window}")
-                            key = (load.name, str(window))
-                            result = _measure(
-                                client,
-                                target=target,
-                                load=load,
-                                window=window,
-                                messages=messages,
-                                args=args,
-                                latencies=latencies.setdefault(key, []),
-                            )
-                            figures.setdefault(key, []).append(result)
-                            if window == "auto":
-                                picked = client.configure().batch_window_us
-                                chosen.setdefault(load.name, []).append(picked)
-                            bar.write(
-                                f"{load.name:>14}, window {window!s:>5}: "
-                                f"{result.throughput:9,.0f}/s  p50 {result.p50_us:7,.0f} us"
-                                f"  p99 {result.p99_us:7,.0f} us"
-                            )
-                            bar.update()
-            finally:
-                target.close()
+            for load, window in schedule(loads, windows, args.rounds):
+                bar.set_postfix_str(f"{load.name}, window {window}")
+                key = (load.name, str(window))
+                done = sweep.run(load, window, messages=messages, warmup=max(100, messages // 5))
+                figures.setdefault(key, []).append(done.figures)
+                latencies.setdefault(key, []).extend(done.latencies)
+                if done.chose_us is not None:
+                    chosen.setdefault(load.name, []).append(done.chose_us)
+                bar.write(
+                    f"{load.name:>14}, window {window!s:>5}: "
+                    f"{done.figures.throughput:9,.0f}/s  p50 {done.figures.p50_us:7,.0f} us"
+                    f"  p99 {done.figures.p99_us:7,.0f} us"
+                )
+                bar.update()
     except (DaemonError, MixError) as exc:
         print(f"kvd bench pipeline: {exc}", file=sys.stderr)
         return 1
     finally:
-        ctx.term()
-        daemon.stop()
         cache.close()
     report = _report(
         args,
@@ -207,37 +140,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _measure(
-    client: Client,
-    *,
-    target: Target,
-    load: Load,
-    window: BatchWindow,
-    messages: int,
-    args: argparse.Namespace,
-    latencies: list[float],
-) -> Figures:
-    client.configure(batch_window_us=window)
-    mix = Mix(
-        messages=messages,
-        concurrency=load.concurrency or 1,
-        rate=load.rate,
-        warmup=max(100, messages // 5),
-    )
-    _, ratio = TRANSFORMS[args.transform]
-    return drive(
-        target,
-        slot_messages(CACHE_ID, args.blocks, "HND", ratio),
-        slots=load.slots,
-        mix=mix,
-        prefix=f"{load.name.replace(' ', '')}-{window}-{next(_RUNS)}",
-        latencies_out=latencies,
-    )
-
-
-_RUNS = iter(range(1 << 62))
-
-
 def _summary(runs: Sequence[Figures], latencies: list[float]) -> dict[str, float]:
     """Median throughput over runs; p50 and p99 of all their latencies together."""
     pooled = sorted(latencies)
@@ -246,8 +148,8 @@ def _summary(runs: Sequence[Figures], latencies: list[float]) -> dict[str, float
     return {
         "throughput": median,
         "throughput_spread": (max(throughputs) - min(throughputs)) / median if median else 0.0,
-        "p50_us": percentile(pooled, 0.50),
-        "p99_us": percentile(pooled, 0.99),
+        "p50_us": quantile(pooled, 0.50),
+        "p99_us": quantile(pooled, 0.99),
         "failed": float(sum(f.failed for f in runs)),
     }
 

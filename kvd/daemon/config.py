@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from kvd.daemon.metrics_http import parse_metrics_addr
-from kvd.protocol import BatchWindow
+from kvd.protocol import MAX_BATCH_WINDOW_US, BatchWindow
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 LogFormat = Literal["auto", "text", "json"]
@@ -322,8 +322,53 @@ def warn_unknown_env(environ: Mapping[str, str] | None = None) -> None:
         log.warning("%s", message)
 
 
+BATCH_WINDOW_US = f"microseconds (0..{MAX_BATCH_WINDOW_US})"
+"""What a fixed batch window looks like; ``or 'auto'`` where ``auto`` may be one."""
+
 # What a value must look like, for fields whose type msgspec's own message does not say.
-_EXPECTED = {"batch_window_us": "microseconds (0..1000000) or 'auto'"}
+_EXPECTED = {"batch_window_us": f"{BATCH_WINDOW_US} or 'auto'"}
+
+
+def parse_batch_window(text: str) -> BatchWindow:
+    """A batch window as a flag gives it: ``'auto'`` or whole microseconds in
+    0..``MAX_BATCH_WINDOW_US``. ``ValueError`` saying what was expected otherwise."""
+    text = text.strip()
+    if text == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= MAX_BATCH_WINDOW_US:
+        raise ValueError(f"expected {_EXPECTED['batch_window_us']}, got {text!r}")
+    return value
+
+
+def parse_batch_windows(
+    text: str, *, auto: bool = True, at_least: Literal[1, 2] = 1
+) -> list[BatchWindow]:
+    """``"0,50,auto"`` -> ``[0, 50, "auto"]``: ``at_least`` windows, each once and as
+    ``parse_batch_window`` takes it (``'auto'`` only with ``auto``). ``ValueError`` saying what
+    was expected otherwise."""
+    expected = _EXPECTED["batch_window_us"] if auto else BATCH_WINDOW_US
+    windows = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        try:
+            window = parse_batch_window(part)
+        except ValueError:
+            window = None
+        if window is None or (window == "auto" and not auto):
+            raise ValueError(f"expected comma-separated {expected}, got {text!r}")
+        windows.append(window)
+    if len(set(windows)) < at_least:
+        raise ValueError(
+            "give at least one window" if at_least == 1 else "give two or more distinct windows"
+        )
+    if len(set(windows)) != len(windows):
+        raise ValueError(f"{text!r} repeats a window")
+    return windows
 
 
 def _convert(name: str, value: Any, source: str) -> Any:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from kvd.daemon.batcher import Batch
-from kvd.daemon.registry import Rewrite
+from kvd.daemon.routes import Rewrite
 from kvd.kernels.faults import DeviceFailed, MemoryFault
 from kvd.protocol import Reason
 

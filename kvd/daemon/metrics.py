@@ -265,10 +265,6 @@ class Metrics:
         """A gauge whose value is ``read()`` at scrape time."""
         return self._add(Gauge(name, help_text, read))
 
-    @property
-    def gauges(self) -> list[Gauge]:
-        return [f for f in self._families if isinstance(f, Gauge)]
-
     def counters(self) -> dict[str, int]:
         """Unlabelled totals for Status replies: outcomes, then every plain counter."""
         out = {"ready": self.ready.value, "failed": self.failed.value}

@@ -18,7 +18,7 @@ import os
 import signal
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import msgspec
 
@@ -30,16 +30,9 @@ from kvd.daemon.logs import RateLimitedLog, clipped
 from kvd.daemon.metrics import Metrics
 from kvd.daemon.publisher import Publisher
 from kvd.daemon.registry import Registry
+from kvd.daemon.routes import Rejection, Route
 from kvd.daemon.timers import WindowTimer
-from kvd.daemon.validate import (
-    InFlight,
-    Rejection,
-    Repeat,
-    Route,
-    identify,
-    parts,
-    validate_read_done,
-)
+from kvd.daemon.validate import InFlight, Repeat, identify, parts, validate_read_done
 from kvd.daemon.window import AutoWindow
 from kvd.protocol import (
     UNATTACHED_TOPIC,
@@ -602,9 +595,6 @@ class Pipeline:
         if idle is None:
             idle = self._idle_caches[cache_id] = self.loop.create_future()
         await asyncio.shield(idle)
-
-    def unfinished(self) -> Iterable[Request]:
-        return self.ledger.requests()
 
     def close(self, timeout: float | None = None) -> bool:
         self._timer.close()

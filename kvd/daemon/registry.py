@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 from kvd.daemon.ledger import RemoteFormat
 from kvd.daemon.memory import AttachError, SharedSegment, Span
+from kvd.daemon.routes import Rejection, Rewrite, Route, RouteKey, remember
 from kvd.daemon.sockets import Connection
 from kvd.layout.formats import has_heads, legacy_remote_format
 from kvd.layout.geometry import TensorGeometry
@@ -21,15 +22,7 @@ from kvd.protocol import PageFormat, Reason, TensorSpec
 if TYPE_CHECKING:  # loaded by the first Attach (attach.py), after READY
     import torch
 
-    from kvd.daemon.validate import Rejection, Route, RouteKey
     from kvd.kernels.postprocess import CachePostProcess
-
-K = TypeVar("K")
-V = TypeVar("V")
-
-ROUTES_PER_CACHE = 64
-"""Routes (and their kernel passes) a cache remembers: a peer that names ever new remote
-formats or block sizes makes kvd decide again, not hold more."""
 
 
 @dataclass(slots=True)
@@ -39,23 +32,6 @@ class AttachedTensor:
     tensor: torch.Tensor
     """The engine's tensor in its physical shape and dtype."""
     span: Span
-
-
-@dataclass(frozen=True, eq=False)
-class Rewrite:
-    """One kernel pass of a batch: the cache's tensors of one local page format, rewritten from
-    the remote format (resolved for them) at the remote block size."""
-
-    postprocess: CachePostProcess
-    remote: PageFormat
-    remote_block_size: int
-
-    def needs_work(self, covered: int, num_ids: int) -> bool:
-        return self.postprocess.needs_work(self.remote, self.remote_block_size, covered, num_ids)
-
-    def apply(self, requests: list[tuple[list[int], int]]) -> None:
-        """Rewrite each (block ids, covered_sub_blocks) request (executor thread)."""
-        self.postprocess.apply(requests, self.remote, self.remote_block_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,14 +103,6 @@ class AttachedCache:
     @property
     def nbytes(self) -> int:
         return sum(t.geometry.nbytes for t in self.tensors)
-
-
-def remember(memo: dict[K, V], key: K, value: V) -> V:
-    """Store ``value`` in a per-cache memo, forgetting the oldest entry past the bound."""
-    if len(memo) >= ROUTES_PER_CACHE:
-        del memo[next(iter(memo))]
-    memo[key] = value
-    return value
 
 
 def _remote_for(local: PageFormat, remote: RemoteFormat) -> PageFormat:

@@ -483,7 +483,7 @@ class Server:
         )
         self.notifier.stopping(f"device failed: {reason}"[:200])
         # Torch's teardown would call into the broken context, and the executor thread may be
-        # stuck in it: leave without the interpreter's teardown (see cli._serve).
+        # stuck in it: leave without the interpreter's teardown (see kvd.commands.serve.run).
         self.work_abandoned = True
         self.force_exit = self.should_exit = True
         if self._pipeline is not None:

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 from kvd.daemon.journal import Outcome
 from kvd.daemon.ledger import Ledger, RemoteFormat
-from kvd.daemon.registry import AttachedCache, Registry, Rewrite, remember
+from kvd.daemon.registry import AttachedCache, Registry
+from kvd.daemon.routes import Rejection, Route, remember
 from kvd.layout.formats import FormatError, resolve
 from kvd.layout.geometry import (
     BlockIdFault,
@@ -31,8 +32,6 @@ from kvd.layout.geometry import (
 from kvd.protocol import (
     GROUPS_VERSION,
     PROTOCOL_VERSION,
-    FormatRef,
-    Layout,
     ReadDone,
     ReadFailed,
     Reason,
@@ -43,12 +42,6 @@ _BLOCK_ID_REASONS: dict[BlockIdFault, Reason] = {
     "duplicate": Reason.DUPLICATE_BLOCK_ID,
     "malformed": Reason.INVALID_MESSAGE,
 }
-
-
-@dataclass(frozen=True, slots=True)
-class Rejection:
-    code: Reason
-    message: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,40 +57,6 @@ class InFlight:
 
 
 IN_FLIGHT = InFlight()
-
-RouteKey = tuple[FormatRef | None, Layout | None, int, int]
-"""A remote side as a ReadDone states it: (remote_format, remote_layout, block_size_ratio,
-remote_block_size)."""
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class Route:
-    """How notifications from one remote side land in one cache: the resolved remote format
-    and block size, the group shape, the kernel passes, and whether a whole read moves bytes.
-    An accepted notification's verdict. It names no cache: the cache remembers it, and a
-    reference back would keep a detached cache's memory until a garbage collection."""
-
-    remote_format: RemoteFormat
-    remote_block_size: int
-    pages: int
-    """Local blocks per group (> 1 when a remote block spans several)."""
-    remote_pages: int
-    """Remote blocks per group (> 1 when several land in one local block)."""
-    rewrites: list[Rewrite]
-    moves_bytes: bool
-    """Whether the format pair moves any byte of a fully covered group."""
-
-    def needs_work(self, covered: int, num_ids: int) -> bool:
-        """Whether any byte of a request of ``num_ids`` blocks changes: the format pair moves
-        bytes, or ``covered`` leaves pages (partly) unwritten, which are then zeroed."""
-        if not num_ids:
-            return False
-        return self.moves_bytes or 0 < covered < num_ids // self.pages * self.remote_pages
-
-    def any_work(self, parts: list[tuple[int, int]]) -> bool:
-        """``needs_work`` for any (blocks, covered_sub_blocks) part of a request."""
-        return any(self.needs_work(covered, num_ids) for num_ids, covered in parts)
-
 
 Verdict = Route | Rejection | Repeat | InFlight
 

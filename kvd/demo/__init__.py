@@ -16,13 +16,12 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
 from kvd.demo.cases import CASES, ENGINES, largest_group
-from kvd.progress import add_progress_flag, progress_bar
-from kvd.tables import format_table
+from kvd.progress import progress_bar
+from kvd.tables import format_table, quantile
 
 CHILD_START_TIMEOUT_S = 60.0
 TRANSPORT = "UCX"  # the NIXL backend both sides use (kvd.nixl.agent.DEFAULT_BACKEND)
@@ -241,8 +240,6 @@ def _progress_line(case: dict[str, Any], total: int) -> str:
 def _report(
     cases: list[dict[str, Any]], notifications: list[dict[str, Any]], args: argparse.Namespace
 ) -> dict[str, Any]:
-    from kvd.demo.decode import _quantile
-
     latencies = sorted(x for c in cases for x in c.pop("latencies_us"))
     kvd_us = sorted(x for c in cases for x in c.pop("kvd_us"))
     notified_ok = all(
@@ -260,11 +257,11 @@ def _report(
         "nixl_bytes": nbytes,
         "nixl_gbps": nbytes / seconds / 1e9 if seconds else 0.0,
         "read_done_to_ready_us": {
-            "p50": _quantile(latencies, 0.50),
-            "p99": _quantile(latencies, 0.99),
+            "p50": quantile(latencies, 0.50),
+            "p99": quantile(latencies, 0.99),
             "samples": len(latencies),
         },
-        "kvd_elapsed_us": {"p50": _quantile(kvd_us, 0.50), "p99": _quantile(kvd_us, 0.99)},
+        "kvd_elapsed_us": {"p50": quantile(kvd_us, 0.50), "p99": quantile(kvd_us, 0.99)},
         "prefill_notifications": [
             {
                 "engine_id": n["engine_id"],
@@ -335,71 +332,3 @@ def _table(report: dict[str, Any]) -> str:
         *failures,
     ]
     return "\n".join(lines)
-
-
-def add_arguments(demo: argparse.ArgumentParser) -> None:
-    demo.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    demo.add_argument(
-        "--requests", type=_positive, default=48, help="requests per case (default: %(default)s)"
-    )
-    demo.add_argument(
-        "--concurrency",
-        type=_positive,
-        default=8,
-        help="requests in flight per case (default: %(default)s)",
-    )
-    demo.add_argument(
-        "--max-blocks",
-        type=_positive,
-        default=8,
-        help="most decode blocks one request fills; lengths are random (default: %(default)s)",
-    )
-    demo.add_argument(
-        "--num-blocks", type=_positive, default=256, help="blocks per cache (default: %(default)s)"
-    )
-    demo.add_argument("--layers", type=_positive, default=2, help="layers (default: %(default)s)")
-    demo.add_argument("--heads", type=_positive, default=4, help="KV heads (default: %(default)s)")
-    demo.add_argument(
-        "--head-dim", type=_positive, default=64, help="head dimension, bf16 (default: %(default)s)"
-    )
-    demo.add_argument("--seed", type=int, default=0, help="request mix seed (default: 0)")
-    demo.add_argument(
-        "--batch-window-us",
-        type=_non_negative,
-        default=None,
-        help="kvd's batch window for the run (default: kvd's default)",
-    )
-    demo.add_argument(
-        "--case-timeout",
-        type=_positive_float,
-        default=60.0,
-        help="seconds a case may take before its open requests count as failed",
-    )
-    add_progress_flag(demo, "--quiet")
-
-
-def _int_at_least(minimum: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-
-    return parse
-
-
-_positive = _int_at_least(1)
-_non_negative = _int_at_least(0)
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value

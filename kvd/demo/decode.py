@@ -14,7 +14,6 @@ import asyncio
 import concurrent.futures
 import json
 import random
-import statistics
 import sys
 import threading
 import time
@@ -30,6 +29,7 @@ from kvd.nixl.mapping import local_blocks_needed
 from kvd.nixl.reader import Reader, ReadResult
 from kvd.protocol import Failed, Layout, Ready
 from kvd.shm import ShmCache
+from kvd.tables import quantile
 
 
 class EngineSpec(msgspec.Struct):
@@ -320,14 +320,14 @@ class Decode:
             "nixl_busy_s": busy,
             "nixl_gbps": run.read_bytes / busy / 1e9 if busy > 0 else 0.0,
             "read_done_to_ready_us": {
-                "p50": _quantile(lat, 0.50),
-                "p99": _quantile(lat, 0.99),
+                "p50": quantile(lat, 0.50),
+                "p99": quantile(lat, 0.99),
                 "samples": len(lat),
             },
             # kvd's own share (Ready.elapsed_us: ReadDone received -> Ready published).
             "kvd_elapsed_us": {
-                "p50": _quantile(kvd_us, 0.50),
-                "p99": _quantile(kvd_us, 0.99),
+                "p50": quantile(kvd_us, 0.50),
+                "p99": quantile(kvd_us, 0.99),
             },
             "latencies_us": lat,
             "kvd_us": kvd_us,
@@ -342,14 +342,6 @@ def _busy_time(intervals: list[tuple[float, float]]) -> float:
             total += finish - max(start, end)
             end = finish
     return total
-
-
-def _quantile(sorted_values: list[float], q: float) -> float:
-    if not sorted_values:
-        return 0.0
-    if len(sorted_values) == 1:
-        return sorted_values[0]
-    return statistics.quantiles(sorted_values, n=100, method="inclusive")[round(q * 100) - 1]
 
 
 async def _main(spec: DecodeSpec) -> None:

@@ -340,6 +340,12 @@ def group_shape(block_size: int, remote_block_size: int) -> tuple[int, int]:
     )
 
 
+def remote_pages_held(num_ids: int, pages: int, remote_pages: int) -> int:
+    """The remote pages ``num_ids`` local blocks hold, in groups of ``group_shape``'s ``pages``
+    local and ``remote_pages`` remote pages (a partial group holds none)."""
+    return num_ids // pages * remote_pages
+
+
 class BlockIdError(ValueError):
     """Block ids that cannot be rewritten; ``fault`` says why, the message names them."""
 
@@ -451,7 +457,7 @@ def group_problem(
             f"{num_ids} block ids do not fill whole groups of {pages} (a remote block lands "
             f"across {pages} local blocks)"
         )
-    holds = num_ids // pages * remote_pages
+    holds = remote_pages_held(num_ids, pages, remote_pages)
     if covered < 0 or covered > holds:
         return "covered_sub_blocks", (
             f"{covered} is not in [0, {holds}] (the remote blocks {num_ids} local blocks hold)"
