@@ -197,9 +197,9 @@ class ReplayServer:
     The socket belongs to the thread from ``start`` on; its queue per peer and its largest
     request are set before it is bound (``Server.startup``). Each answer is the buffered events
     from the requested seq, then a ``ReplayEnd``. Answers in progress are served in turn, each
-    as far as its peer's queue takes it, so a peer that does not read
-    delays nobody: it is given up on after ``REPLAY_STALL_S`` without progress, and forgotten
-    as soon as it disconnects. At most ``REPLAY_ANSWERS`` answers are in progress, and
+    as far as its peer's queue takes it, so a peer that does not read delays nobody: it is
+    given up on after ``REPLAY_STALL_S`` without progress, and forgotten as soon as it
+    disconnects. At most ``REPLAY_ANSWERS`` answers are in progress, and
     ``REPLAY_ANSWERS_PER_PEER`` for one peer; a request past that is dropped and counted (its
     subscription asks again).
     """
