@@ -61,6 +61,34 @@ def test_cpu_kernel_threads_share_many_chunks_of_groups(threads: int) -> None:
     check_cache(cache, [(ids, 0)], "HND", 1)
 
 
+BENCH_SIZES = PageSizes(num_layers=1, num_heads=8, block_size=64, head_dim=128, itemsize=2)
+
+
+def test_the_gather_scatters_over_the_side_with_fewer_streams() -> None:
+    """NHD -> HND read in destination order is 64 interleaved streams (one per token), in
+    source order it writes 8 (one per head): source order. HND -> NHD the other way round."""
+    to_hnd = plan(PRESETS["NHD"], PRESETS["HND"], BENCH_SIZES, 64)
+    order = cpu.gather_order(to_hnd)
+    source = order[:, 1] * to_hnd.page_bytes + order[:, 2]
+    assert (np.diff(source) > 0).all(), "not in source order"
+    assert sorted(map(tuple, order.tolist())) == sorted(map(tuple, to_hnd.moves.tolist()))
+    to_nhd = plan(PRESETS["HND"], PRESETS["NHD"], BENCH_SIZES, 64)
+    assert cpu.gather_order(to_nhd) is to_nhd.moves
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_kernel_gathers_in_source_order_exactly(threads: int) -> None:
+    cache = make_cache("HND", dtype="bfloat16", block_size=64, num_blocks=6, heads=8, head_dim=128)
+    ids = [4, 1, 3]
+    regions = cache.regions()
+    bases = np.array([r.base for r in regions], dtype=np.int64)
+    strides = np.array([r.block_stride for r in regions], dtype=np.int64)
+    pages = cpu.page_table(bases, strides, np.array(ids, dtype=np.int64).reshape(-1, 1))
+    cpu.apply_runs(pages, plan(PRESETS["NHD"], PRESETS["HND"], BENCH_SIZES, 64), threads=threads)
+    check_cache(cache, [(ids, 0)], "NHD", 64)
+
+
 @needs_cpu_kernel
 def test_cpu_kernel_checks_its_page_table() -> None:
     p = plan(PRESETS["HND"], PRESETS["NHD"], SIZES, 16)

@@ -5,8 +5,11 @@
  * plan: runs (dst_in_group, src_page, src_offset, nbytes) copy landed bytes, or write zeros
  * (src_page -1), into a private scratch copy of the group that stays in cache; then the ranges
  * the runs wrote go back to the pages. So every byte that moves is read once and written once
- * in main memory; bytes the plan leaves in place are not touched at all. The write-back uses
- * ordinary stores: the gather has just pulled every line into cache, so they hit there.
+ * in main memory; bytes the plan leaves in place are not touched at all. The runs come in
+ * destination order, or in source order where that scatters over fewer streams (gather_order
+ * in kvd/kernels/cpu.py: the hardware prefetchers follow a few streams, not dozens). The
+ * write-back uses ordinary stores: the gather has just pulled every line into cache, so they
+ * hit there.
  * (Non-temporal stores, which skip the cache, made the kernel 1.2 to 1.4 times slower.)
  *
  * Memory faults: the pages are the engine's, mapped from a file it may truncate, and a touch
