@@ -224,3 +224,15 @@ class HostCuda:
     def broken(self, device: torch.device) -> str | None:
         self.note("broken")
         return self.broken_reason
+
+    def time_ms(self, fn: Any, repeat: int) -> float | None:
+        return None  # host work says nothing of a GPU's
+
+    def capture(self, fn: Any, device: torch.device) -> Any:
+        """As a graph: nothing runs now; each call of the result runs ``fn`` on the calling
+        thread (under Triton's interpreter, the kernels on host memory)."""
+        self.note("capture")
+        return fn
+
+    def free_cached(self, device: torch.device) -> None:
+        self.note("free_cached")

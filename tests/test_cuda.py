@@ -452,13 +452,33 @@ def test_the_benchmark_page_is_rewritten_in_place_in_tiles_that_fit_registers() 
 
     sizes = PageSizes(num_layers=1, num_heads=8, block_size=64, head_dim=128, itemsize=2)
     for nP in (64, 16):
-        prepared = gpu.prepare(
-            plan(PRESETS["HND"], PRESETS["NHD"], sizes, nP), Lane(GPU3, api=HostCuda()), 16
-        )
+        pair = plan(PRESETS["HND"], PRESETS["NHD"], sizes, nP)
+        prepared = gpu.prepare(pair, Lane(GPU3, api=HostCuda()), 16)
         assert prepared.in_place
         assert prepared.tile_words * prepared.width <= 64 * 1024
         assert prepared.tile_words <= prepared.num_warps * 32 * gpu.WORDS_PER_THREAD
         assert prepared.slice_words * prepared.width >= 128, "a program moves whole lines"
+        # The smaller tiles tune measures: more programs of fewer warps, slices of whole
+        # 32-byte sectors at least.
+        shapes = set()
+        for tile in gpu.TILE_CHOICES:
+            smaller = gpu.prepare(pair, Lane(GPU3, api=HostCuda()), 16, tile)
+            assert smaller.in_place and smaller.tile_words * smaller.width <= tile
+            assert smaller.tile_words <= smaller.num_warps * 32 * gpu.WORDS_PER_THREAD
+            assert smaller.slice_words * smaller.width >= 32
+            shapes.add(smaller.shape)
+        assert len(shapes) == len(gpu.TILE_CHOICES)
+
+
+def test_tuning_without_a_timer_chooses_nothing() -> None:
+    """Under the host stand-in (Triton's interpreter) work cannot be timed: the default tile
+    stays, and warm-up captures replays (which the interpreter check runs)."""
+    from kvd.kernels import gpu
+
+    sizes = PageSizes(num_layers=1, num_heads=8, block_size=64, head_dim=128, itemsize=2)
+    pair = plan(PRESETS["NHD"], PRESETS["HND"], sizes, 64)
+    assert gpu.tune(pair, Lane(GPU3, api=HostCuda()), 16) == {}
+    assert gpu.tile_for(pair) == gpu.TILE_BYTES and "tile_bytes" not in gpu.choices(pair)
 
 
 # -- on a GPU -------------------------------------------------------------------------------------
@@ -689,3 +709,91 @@ def test_expandable_segments_cannot_be_exported() -> None:
     ).stdout
     assert out.startswith("refused:") and "expandable_segments:False" in out
     assert CudaIpcError  # the error type is public for engines to catch
+
+
+@pytest.mark.cuda
+@gpu
+@pytest.mark.parametrize("tile", [64 * 1024, 32 * 1024, 16 * 1024])
+def test_every_tile_size_matches_the_reference(tile: int, monkeypatch) -> None:
+    """Each tile size ``gpu.tune`` may choose, on the benchmark's pages (slices of every unit)
+    and on a block merge (whole components)."""
+    from kvd.kernels import gpu
+
+    assert tile in gpu.TILE_CHOICES
+    monkeypatch.setattr(gpu, "TILE_BYTES", tile)
+    monkeypatch.setattr(gpu, "_tiles", {})
+    for remote, local, nP in (("HND", "NHD", 64), ("HND", "NHD", 16), ("NHD", "HND", 64)):
+        cache = make_cache(
+            local,
+            dtype="bfloat16",
+            block_size=64,
+            num_blocks=24,
+            heads=8,
+            head_dim=128,
+            device="cuda",
+        )
+        requests = [([3, 9, 1], 0), ([20, 4], 0 if nP == 64 else 5)]
+        cache.postprocess("kernel").apply(requests, remote, nP)
+        torch.cuda.synchronize()
+        check_cache(cache, requests, remote, nP)
+    # 4 KiB token runs: moved as whole components, in tiles of at most COMPONENT_TILE_BYTES.
+    cache = make_cache(
+        "HND",
+        dtype="bfloat16",
+        block_size=64,
+        num_blocks=24,
+        heads=8,
+        head_dim=128,
+        device="cuda",
+    )
+    requests = [([5, 2], 0), ([7], 3)]
+    post = cache.postprocess("kernel")
+    post.apply(requests, "HND", 16)
+    torch.cuda.synchronize()
+    check_cache(cache, requests, "HND", 16)
+    prepared = [
+        launch.prepared
+        for launches in post._launches.values()
+        for launch in launches
+        if launch.prepared is not None and launch.prepared.in_place
+    ]
+    assert prepared and all(p.members is not None for p in prepared), "not by components"
+    assert all(p.tile_words * p.width <= min(tile, gpu.COMPONENT_TILE_BYTES) for p in prepared)
+
+
+@pytest.mark.cuda
+@gpu
+def test_warm_up_tunes_and_captures_and_requests_replay_exactly() -> None:
+    """Warm-up times the tile sizes and the captured launch on scratch pages; then requests
+    of 1 to 5 blocks (replays where they won, a direct launch past them) end as the
+    reference says, and nothing unlisted changed."""
+    from kvd.kernels import gpu
+
+    cache = make_cache(
+        "NHD",
+        dtype="bfloat16",
+        block_size=64,
+        num_blocks=32,
+        heads=8,
+        head_dim=128,
+        device="cuda",
+    )
+    post = cache.postprocess("kernel")
+    post.warm_up("HND", 64)
+    torch.cuda.synchronize()
+    (launch,) = post._launches[("HND", 64, 0)]
+    chosen = gpu.choices(launch.plan)
+    print("warm-up measured and chose:", chosen)
+    assert len(chosen["tile_gbps"]) >= 2 and chosen["tile_bytes"] in gpu.TILE_CHOICES
+    assert launch.prepared is not None and launch.prepared.tile_bytes == chosen["tile_bytes"]
+    assert chosen["replay_us"] > 0 and chosen["direct_us"] > 0
+    assert bool(launch.replays) == chosen["replays"]
+    free = random.Random(5).sample(range(32), 32)
+    requests = []
+    for size in (1, 2, 3, 4, 5):
+        requests.append((free[:size], 0))
+        free = free[size:]
+    for request in requests:
+        post.apply([request], "HND", 64)
+    torch.cuda.synchronize()
+    check_cache(cache, requests, "HND", 64)

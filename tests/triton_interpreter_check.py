@@ -57,6 +57,7 @@ def check(
     two_pass: bool,
     partial: bool,
     tile_bytes: int | None = None,
+    components: bool = True,
     heads: int = 3,
     head_dim: int = 4,
 ) -> str:
@@ -76,7 +77,7 @@ def check(
     )
     saved = gpu.TILE_BYTES, gpu.WHOLE_UNIT_BYTES
     gpu.TILE_BYTES = 0 if two_pass else tile_bytes or saved[0]
-    if tile_bytes:  # the whole-components path, whatever the unit's size
+    if tile_bytes and components:  # the whole-components path, whatever the unit's size
         gpu.WHOLE_UNIT_BYTES = 0
     post = cache.postprocess(lane=LANE)
     post.backend = "triton"  # the interpreter runs Triton on CPU memory
@@ -98,13 +99,59 @@ def check(
         for launch in launches
         if launch.prepared is not None and launch.prepared.in_place
     }
-    if tile_bytes and by_members != {True}:
+    if tile_bytes and components and by_members != {True}:
         raise SystemExit(f"{name}: not moved by whole components")
+    tiles = {
+        launch.prepared.tile_bytes
+        for launches in post._launches.values()
+        for launch in launches
+        if launch.prepared is not None and launch.prepared.in_place
+    }
+    if tile_bytes and tiles != {tile_bytes}:
+        raise SystemExit(f"{name}: prepared for tiles {tiles}, not {tile_bytes}")
     try:
         check_cache(cache, requests, remote, nP)
     except AssertionError as exc:
         raise SystemExit(f"{name}: {exc}") from None
     return f"{name}: ok"
+
+
+def check_replays(n: int, case: tuple[str, str, int, int, str]) -> str:
+    """Warm-up captures launches of 1 to ``GRAPH_GROUPS`` groups (here: the calls a graph
+    would hold, run at each replay); requests of those sizes replay them, larger ones launch
+    directly, and every block ends as the reference says."""
+    remote, local, nD, nP, dtype = case
+    api = HostCuda()
+    lane = device.Lane(torch.device("cpu"), api=api)
+    cache = make_cache(local, dtype=dtype, block_size=nD, num_blocks=16, seed=n)
+    post = cache.postprocess(lane=lane)
+    post.backend = "triton"
+    post.warm_up(remote, nP)
+    captured = len(api.noted("capture"))
+    if captured != 1 + gpu.GRAPH_GROUPS:  # the trial on scratch pages, then the cache's
+        raise SystemExit(f"replays {case}: {captured} captures, not 1 + {gpu.GRAPH_GROUPS}")
+    free = random.Random(n).sample(range(16), 16)
+    requests = []
+    for size in (1, 2, 3, 4, 5):
+        requests.append((free[:size], 0))
+        free = free[size:]
+    for request in requests:
+        uploads = len(api.noted("copy_async"))
+        post.apply([request], remote, nP)
+        copies = len(api.noted("copy_async")) - uploads
+        if copies != 1:  # one copy of the ids per launch, by either path
+            raise SystemExit(f"replays {case}: {copies} id copies for {len(request[0])} blocks")
+    replays = [
+        r for launches in post._launches.values() for la in launches for r in la.replays.values()
+    ]
+    used = sorted(r.n for r in replays if r._done is not None)
+    if used != list(range(1, gpu.GRAPH_GROUPS + 1)):
+        raise SystemExit(f"replays {case}: replayed {used} group counts, captured {len(replays)}")
+    try:
+        check_cache(cache, requests, remote, nP)
+    except AssertionError as exc:
+        raise SystemExit(f"replays {case}: {exc}") from None
+    return f"replays {remote}->{local} {nP}->{nD} {dtype} sizes 1-5: ok"
 
 
 if __name__ == "__main__":
@@ -120,4 +167,23 @@ if __name__ == "__main__":
     for case in (("HND", "NHD", 8, 2, "bfloat16"), ("HND", "HND", 8, 32, "float32")):
         n += 1
         print(check(n, case, two_pass=False, partial=False, tile_bytes=32), flush=True)
+    # Every tile size ``tune`` measures, on the benchmark's page (slices of 128, 64, 32 bytes).
+    for tile in gpu.TILE_CHOICES:
+        n += 1
+        print(
+            check(
+                n,
+                BENCH_PAGE,
+                two_pass=False,
+                partial=False,
+                tile_bytes=tile,
+                components=False,
+                heads=8,
+                head_dim=128,
+            ),
+            flush=True,
+        )
+    for case in (("HND", "NHD", 4, 4, "bfloat16"), ("NHD", "HND", 8, 2, "float32")):
+        n += 1
+        print(check_replays(n, case), flush=True)
     sys.exit(0)

@@ -24,7 +24,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -96,6 +96,8 @@ class Row:
     kvd_over_copy: float
     vllm_over_kvd: float | None
     meets_target: bool | None
+    variants: list[dict[str, Any]] = field(default_factory=list)
+    """On CUDA: per kernel launch, what warm-up measured and chose (``gpu.choices``)."""
 
 
 def _sync(device: torch.device) -> None:
@@ -186,6 +188,7 @@ def run_case(args: argparse.Namespace, case: Case, progress: Callable[[], None])
     src = torch.empty(listed, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     remote = PRESETS[case.remote]
+    post.warm_up(remote, nP)  # as an attach does: compiles, and on CUDA picks the variants
 
     def kvd() -> None:
         post.apply([(ids, 0)], remote, nP)
@@ -244,6 +247,7 @@ def run_case(args: argparse.Namespace, case: Case, progress: Callable[[], None])
         kvd_over_copy=kvd_over_copy,
         vllm_over_kvd=vllm_over_kvd,
         meets_target=meets,
+        variants=post.variants(remote, nP),
     )
 
 
@@ -265,6 +269,7 @@ def latency(args: argparse.Namespace, device: torch.device) -> list[LatencyRow]:
     post = CachePostProcess([v for t in tensors for v in region_views(t, geometry)], device)
     stream = post.lane.stream
     ids = torch.randperm(geometry.num_blocks)[: max(LATENCY_BLOCKS)].tolist()
+    post.warm_up(PRESETS["HND"], case.block_sizes(args.block_size)[1])
     src = torch.empty(SMALL_COPY_BYTES, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     event = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -354,6 +359,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _variant_line(chosen: dict[str, Any]) -> str:
+    """What warm-up measured and chose for one launch (``gpu.choices``), in a line."""
+    parts = []
+    if "tile_bytes" in chosen:
+        measured = ", ".join(
+            f"{int(tile) >> 10} KiB {gbps:.0f} GB/s" for tile, gbps in chosen["tile_gbps"].items()
+        )
+        parts.append(f"tile {int(chosen['tile_bytes']) >> 10} KiB ({measured})")
+    if "replays" in chosen:
+        times = ""
+        if chosen["replay_us"] is not None and chosen["direct_us"] is not None:
+            times = f" (1 group: {chosen['replay_us']:.1f} us, direct {chosen['direct_us']:.1f} us)"
+        parts.append(f"captured launches {'yes' if chosen['replays'] else 'no'}{times}")
+    return "; ".join(parts) or "nothing measured"
+
+
 def _table(report: dict[str, Any]) -> str:
     g = report["geometry"]
     cells = [["case", "MB", "kvd GB/s", "copy GB/s", "kvd/copy", "vllm/kvd", "target"]]
@@ -395,6 +416,9 @@ def _table(report: dict[str, Any]) -> str:
         latency_lines.append(
             f"kernel {name}: {stat['registers']} registers, {stat['spills']} spills"
         )
+    for r in report["rows"]:
+        for chosen in r.get("variants", []):
+            latency_lines.append(f"variants {r['case']}: {_variant_line(chosen)}")
     t = report["targets"]
     bound = (
         f"kvd/copy <= {t['kvd_over_copy_at_most']}x"

@@ -15,8 +15,9 @@ the order they are enqueued.
 from __future__ import annotations
 
 import contextlib
+import statistics
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import numpy as np
@@ -74,6 +75,19 @@ class CudaApi(Protocol):
         """Why the device's context is unusable (a sticky error), or None; may wait for the
         device. Called after a CUDA call failed, to tell a sticky error from one that is not."""
 
+    def time_ms(self, fn: Callable[[], object], repeat: int) -> float | None:
+        """The median milliseconds from an event recorded on the current stream before
+        ``fn()`` to one recorded after it, each time on an idle stream (so a launch's host
+        work counts too); waits for the device. None where work cannot be timed."""
+
+    def capture(self, fn: Callable[[], object], device: torch.device) -> Callable[[], object]:
+        """``fn``'s work on the current stream captured once in a CUDA graph, without running
+        it: the returned call launches the graph on the calling thread's current stream.
+        Only this thread's calls are held to the capture's rules; waits for the device."""
+
+    def free_cached(self, device: torch.device) -> None:
+        """Give the memory torch holds cached back to the device (after a large scratch)."""
+
 
 class TorchCuda:
     """``CudaApi`` through torch.cuda."""
@@ -121,6 +135,34 @@ class TorchCuda:
         except RuntimeError as exc:  # torch.AcceleratorError too
             return str(exc)
         return None
+
+    def time_ms(self, fn: Callable[[], object], repeat: int) -> float | None:
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        times: list[float] = []
+        for _ in range(repeat):
+            torch.cuda.current_stream().synchronize()
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(float(start.elapsed_time(end)))
+        return statistics.median(times)
+
+    def capture(self, fn: Callable[[], object], device: torch.device) -> Callable[[], object]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.device(device):
+            side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            # "thread_local": kvd's other threads (the executor launching, the waiter
+            # synchronizing) go on; only this thread must not do what a capture forbids.
+            with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+                fn()
+        replay: Callable[[], object] = graph.replay
+        return replay
+
+    def free_cached(self, device: torch.device) -> None:
+        with torch.cuda.device(device):
+            torch.cuda.empty_cache()
 
 
 class IdRing:

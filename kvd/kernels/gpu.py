@@ -34,9 +34,24 @@ launch covers every region of a cache that shares a plan. Launches go to the lan
 under ``Lane.launching()``. The same kernels run on the CPU under ``TRITON_INTERPRET=1``, which
 is how the tests check them without a GPU.
 
+**Variants, picked by measurement.** A program stores only after all its loads, so with one
+program resident per SM (a 64 KiB tile of 16 warps) an SM either loads or stores, never both:
+about half a copy's bandwidth, which is what the H200 run measured (39-55%). Smaller tiles
+(``TILE_CHOICES``) leave several programs resident, one's stores overlapping another's loads,
+at the price of more programs and narrower slices. Which size is fastest depends on the GPU and
+the format pair, so ``tune`` times each on scratch pages when a cache is attached (the
+attach worker's warm-up) and ``prepare`` uses the fastest for that plan from then on.
+
+**Small batches: captured launches.** Triton's Python launcher and the block-id upload cost
+about 20-40 us each per launch, several times the work of a few blocks. For a launch of at most
+``GRAPH_GROUPS`` groups, ``Replay`` captures the id copy (from a pinned buffer of its own) and
+the kernel in a CUDA graph once, at warm-up; a request then costs one graph launch. Warm-up
+keeps the replays only where they measured faster than a direct launch.
+
 What a GPU run must confirm (``.ci/device-check``): the kernels compile without spills
 (``kernel_stats()``), the in-place path reaches the copy-bandwidth target on the benchmark's
-128 KiB pages, and 16 warps per program leave enough programs in flight per SM.
+128 KiB pages with the tile ``tune`` picks, and 1 to 4 blocks complete within twice a small
+``copy_`` through a replay.
 """
 
 from __future__ import annotations
@@ -50,11 +65,21 @@ import torch
 import triton
 import triton.language as tl
 
-from kvd.kernels.device import Lane
+from kvd.kernels.device import CudaEvent, Lane
 from kvd.layout.planner import Plan
 
 TILE_BYTES = 64 * 1024
-"""Bytes a program of the in-place path holds: up to 16 warps x 32 threads x 32 words."""
+"""Bytes a program of the in-place path holds unless ``tune`` chose otherwise for the plan: up
+to 16 warps x 32 threads x 32 words."""
+TILE_CHOICES = (64 * 1024, 32 * 1024, 16 * 1024)
+"""The tile sizes ``tune`` measures (16, 8 and 4 warps for 256-byte units)."""
+TUNE_BYTES = 128 << 20
+"""Scratch ``tune`` times the variants on: well past an H100/H200 L2 (50 MiB), so that it
+measures memory bandwidth, not the cache's."""
+TUNE_REPEAT = 7
+GRAPH_GROUPS = 4
+"""Launches of at most this many groups replay a captured graph (``Replay``), where warm-up
+measured that faster."""
 WORDS_PER_THREAD = 32
 WHOLE_UNIT_BYTES = 1024
 """Units at least this large are moved whole, by components; smaller ones in slices."""
@@ -187,6 +212,8 @@ class Prepared:
     block_units: int = 0
     align: int = 1
     num_warps: int = 4
+    tile_bytes: int = 0
+    """The tile size it was prepared for (in place)."""
 
     @property
     def group_words(self) -> int:
@@ -200,6 +227,11 @@ class Prepared:
     def tile_words(self) -> int:
         """Words one program holds (in place)."""
         return self.block_units * self.slice_words
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """What tells two in-place preparations of a plan apart (tile sizes may coincide)."""
+        return (self.unit_words, self.slice_words, self.block_units, self.programs, self.num_warps)
 
 
 @dataclass(frozen=True, eq=False)
@@ -273,9 +305,15 @@ def pack(parts: list[list[int]], capacity: int) -> npt.NDArray[np.int32]:
     return table
 
 
-def prepare(plan: Plan, lane: Lane, alignment: int) -> Prepared:
+def prepare(plan: Plan, lane: Lane, alignment: int, tile_bytes: int | None = None) -> Prepared:
     """``plan``'s launch arguments on ``lane``'s device, in the widest words every page address
-    (all multiples of ``alignment``) and every run allow (under ``lane.launching()``)."""
+    (all multiples of ``alignment``) and every run allow (under ``lane.launching()``).
+
+    In-place programs hold at most ``tile_bytes``: by default what ``tune`` chose for the plan,
+    else ``TILE_BYTES``; a plan whose closed sets do not fit goes through scratch (two passes).
+    """
+    if tile_bytes is None:
+        tile_bytes = _tiles.get(plan, TILE_BYTES)
     width = min(plan.word_width(4), alignment & -alignment or 4, 4)
     index = plan.gather_index(width)
     if len(index) >= 2**31:
@@ -287,7 +325,7 @@ def prepare(plan: Plan, lane: Lane, alignment: int) -> Prepared:
     sources = np.where(rows < 0, -1, rows // unit)
     if unit * width < WHOLE_UNIT_BYTES:
         block_units = triton.next_power_of_2(units)
-        tile = TILE_BYTES // width
+        tile = tile_bytes // width
         if block_units > tile:
             return Prepared(plan, width, lane.upload(np.asarray(index), torch.int32))
         slice_words = min(unit, tile // block_units)
@@ -295,7 +333,7 @@ def prepare(plan: Plan, lane: Lane, alignment: int) -> Prepared:
     else:
         parts = components(sources)
         largest = triton.next_power_of_2(max((len(p) for p in parts), default=1))
-        tile = min(TILE_BYTES, COMPONENT_TILE_BYTES) // width
+        tile = min(tile_bytes, COMPONENT_TILE_BYTES) // width
         if largest > tile:
             return Prepared(plan, width, lane.upload(np.asarray(index), torch.int32))
         # Whole units where a tile holds the largest component whole, else slices of them.
@@ -314,6 +352,7 @@ def prepare(plan: Plan, lane: Lane, alignment: int) -> Prepared:
         block_units=block_units,
         align=min(alignment, slice_words * width, _MAX_ALIGN),
         num_warps=min(16, threads // 32),
+        tile_bytes=tile_bytes,
     )
 
 
@@ -330,6 +369,33 @@ def _note(compiled: Any, name: str) -> None:
         _stats[name] = {"registers": int(compiled.n_regs), "spills": int(compiled.n_spills)}
 
 
+def _launch_in_place(prepared: Prepared, where: Regions, ids: torch.Tensor, n: int) -> None:
+    """One launch of the in-place kernel over ``n`` groups whose block ids are on the device."""
+    plan, width = prepared.plan, prepared.width
+    slices = prepared.unit_words // prepared.slice_words
+    compiled = _permute_units[(slices * prepared.programs * n * where.count,)](
+        ids,
+        where.bases,
+        where.strides,
+        prepared.index,
+        prepared.index if prepared.members is None else prepared.members,
+        n,
+        prepared.programs,
+        prepared.group_words // prepared.unit_words,
+        plan.page_bytes // width // prepared.unit_words,
+        plan.pages_per_group,
+        EVERY_UNIT=prepared.members is None,
+        UNIT=prepared.unit_words,
+        SLICE=prepared.slice_words,
+        BLOCK_U=prepared.block_units,
+        ALIGN=prepared.align,
+        WORD=_WORDS[width],
+        WIDTH=width,
+        num_warps=prepared.num_warps,
+    )
+    _note(compiled, f"in_place tile={prepared.tile_words} words x {width} B")
+
+
 def apply_runs(
     prepared: Prepared, where: Regions, groups: npt.NDArray[np.int64], lane: Lane
 ) -> None:
@@ -344,30 +410,8 @@ def apply_runs(
         per_launch = lane.ids.slot_ids // k
         for start in range(0, len(groups), per_launch):
             chunk = ids[start * k : (start + per_launch) * k]
-            n = len(chunk) // k
-            slices = prepared.unit_words // prepared.slice_words
             with lane.ids.slot(chunk) as on_device:
-                compiled = _permute_units[(slices * prepared.programs * n * where.count,)](
-                    on_device,
-                    where.bases,
-                    where.strides,
-                    prepared.index,
-                    prepared.index if prepared.members is None else prepared.members,
-                    n,
-                    prepared.programs,
-                    prepared.group_words // prepared.unit_words,
-                    plan.page_bytes // width // prepared.unit_words,
-                    k,
-                    EVERY_UNIT=prepared.members is None,
-                    UNIT=prepared.unit_words,
-                    SLICE=prepared.slice_words,
-                    BLOCK_U=prepared.block_units,
-                    ALIGN=prepared.align,
-                    WORD=_WORDS[width],
-                    WIDTH=width,
-                    num_warps=prepared.num_warps,
-                )
-            _note(compiled, f"in_place tile={prepared.tile_words} words x {width} B")
+                _launch_in_place(prepared, where, on_device, len(chunk) // k)
         return
     group_words = prepared.group_words
     tile = min(triton.next_power_of_2(group_words), _TWO_PASS_TILE_BYTES // width)
@@ -396,3 +440,125 @@ def apply_runs(
                     num_warps=4,
                 )
         _note(compiled, f"two_pass tile={tile} words x {width} B")
+
+
+# -- variants, picked by measurement ---------------------------------------------------------
+
+_tiles: dict[Plan, int] = {}
+"""The tile size ``tune`` found fastest, per plan (plans are memoised: one entry per format
+pair, sizes and coverage)."""
+_measured: dict[Plan, dict[str, Any]] = {}
+"""What ``tune`` and the replay trial measured, per plan (``choices``)."""
+
+
+def tile_for(plan: Plan) -> int:
+    """The tile size ``prepare`` uses for ``plan`` by default."""
+    return _tiles.get(plan, TILE_BYTES)
+
+
+def note_replay(plan: Plan, replay_ms: float | None, direct_ms: float | None) -> None:
+    """Record the replay trial of ``plan`` (one group on scratch pages, call to complete)."""
+    _measured.setdefault(plan, {}).update(
+        replay_us=None if replay_ms is None else replay_ms * 1e3,
+        direct_us=None if direct_ms is None else direct_ms * 1e3,
+        replays=replay_ms is None or direct_ms is None or replay_ms < direct_ms,
+    )
+
+
+def choices(plan: Plan) -> dict[str, Any]:
+    """What was measured for ``plan`` and chosen: ``tile_bytes`` with ``tile_gbps`` (GB/s per
+    tile size), ``replays`` with ``replay_us`` and ``direct_us``; keys absent where nothing
+    was measured."""
+    out = dict(_measured.get(plan, {}))
+    if plan in _tiles:
+        out["tile_bytes"] = _tiles[plan]
+    return out
+
+
+def tune(plan: Plan, lane: Lane, alignment: int) -> dict[int, float]:
+    """Time each in-place tile size of ``TILE_CHOICES`` on scratch pages (never a cache's; at
+    most ``TUNE_BYTES``) and keep the fastest for ``plan``: ``prepare`` uses it from then on.
+
+    Returns GB/s (listed bytes over the median time) per tile size measured; empty, choosing
+    nothing, where the lane cannot time its work (the host stand-in under Triton's
+    interpreter), where the plan goes through scratch, or where every size makes the same
+    kernel. Compiles each variant (about a second each): for the attach worker's warm-up, not
+    the executor. A plan is measured once per process. Under ``lane.launching()``.
+    """
+    if plan in _tiles:
+        figures: dict[int, float] = _measured[plan]["tile_gbps"]
+        return figures
+    if lane.api.time_ms(lambda: None, 1) is None:
+        return {}
+    shapes: dict[tuple[int, ...], Prepared] = {}
+    for tile in TILE_CHOICES:
+        prepared = prepare(plan, lane, alignment, tile)
+        if not prepared.in_place:
+            return {}
+        shapes.setdefault(prepared.shape, prepared)
+    if len(shapes) < 2:
+        return {}
+    k = plan.pages_per_group
+    groups = max(1, min(TUNE_BYTES // plan.group_bytes, lane.ids.slot_ids // k))
+    scratch = lane.api.empty(groups * plan.group_bytes, lane.device)
+    try:
+        where = regions(
+            lane,
+            np.array([scratch.data_ptr()], dtype=np.int64),
+            np.array([plan.page_bytes], dtype=np.int64),
+        )
+        ids = np.arange(groups * k, dtype=np.int64).reshape(groups, k)
+        figures = {}
+        for prepared in shapes.values():
+            apply_runs(prepared, where, ids, lane)  # compiles it; the bytes are scratch
+
+            def run(prepared: Prepared = prepared) -> None:
+                apply_runs(prepared, where, ids, lane)
+
+            ms = lane.api.time_ms(run, TUNE_REPEAT)
+            assert ms is not None  # the lane timed work above
+            figures[prepared.tile_bytes] = groups * plan.group_bytes / ms / 1e6
+    finally:
+        del scratch
+        lane.api.free_cached(lane.device)
+    _tiles[plan] = max(figures, key=lambda tile: figures[tile])
+    _measured.setdefault(plan, {})["tile_gbps"] = figures
+    return figures
+
+
+class Replay:
+    """One in-place launch of ``n`` groups over fixed regions, captured in a CUDA graph: the
+    copy of the block ids from a pinned buffer of its own to the device, then the kernel. A
+    call writes the ids and launches the graph on the lane's stream (under
+    ``lane.launching()``): no Triton launcher, no separate upload.
+
+    The buffer is written again only once the last launch's copy has run (an event recorded
+    behind each launch). Holds the regions and the plan's arguments the graph reads.
+    """
+
+    def __init__(self, prepared: Prepared, where: Regions, lane: Lane, n: int) -> None:
+        if not prepared.in_place:
+            raise ValueError("only in-place launches are captured (two-pass ones use scratch)")
+        self.prepared, self.where, self.lane, self.n = prepared, where, lane, n
+        count = n * prepared.plan.pages_per_group
+        api = lane.api
+        self._host = api.pinned(4 * count).view(torch.int32)
+        self._host_ids = self._host.numpy()
+        self._ids = api.empty(4 * count, lane.device).view(torch.int32)
+        self._done: CudaEvent | None = None
+
+        def body() -> None:
+            api.copy_async(self._ids, self._host)
+            _launch_in_place(prepared, where, self._ids, n)
+
+        self._launch = api.capture(body, lane.device)
+
+    def __call__(self, groups: npt.NDArray[np.int64]) -> None:
+        """Rewrite ``groups`` (``n`` rows of block ids) of the regions, asynchronously."""
+        if self._done is not None and not self._done.query():
+            self._done.synchronize()  # the last launch has not copied its ids yet
+        self._host_ids[:] = groups.reshape(-1)
+        self._launch()
+        if self._done is None:
+            self._done = self.lane.api.new_event()
+        self._done.record(self.lane.stream)

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
@@ -40,7 +41,9 @@ from kvd.protocol import FormatRef, PageFormat
 
 if TYPE_CHECKING:  # Triton is imported only where CUDA is used
     from kvd.kernels.device import Lane
-    from kvd.kernels.gpu import Prepared, Regions
+    from kvd.kernels.gpu import Prepared, Regions, Replay
+
+log = logging.getLogger(__name__)
 
 Backend = Literal["auto", "kernel", "torch"]
 """``kernel``: the compiled CPU kernel, or Triton on CUDA; ``torch``: plain torch ops (the
@@ -134,6 +137,8 @@ class _Launch:
     bundle: _Bundle
     plan: Plan
     prepared: Prepared | None = None  # the plan on the GPU, made once
+    replays: dict[int, Replay] = field(default_factory=dict)
+    """Captured launches by number of groups (CUDA, made at warm-up where faster)."""
 
 
 class CachePostProcess:
@@ -296,9 +301,17 @@ class CachePostProcess:
     def warm_up(self, remote: FormatRef, remote_block_size: int) -> None:
         """Compile the kernels a request in ``remote`` at nP would launch, on scratch pages
         (never the cache's): CUDA's first launch of a kernel shape pays its compilation.
-        Asynchronous on CUDA, like ``apply``."""
+
+        On CUDA also pick the variants by measurement, on scratch pages: the in-place tile
+        size of each plan (``gpu.tune``), and whether launches of a few groups replay a
+        captured graph (``gpu.Replay``) or launch directly; this waits for the device and
+        takes seconds, so it belongs to the attach worker. Otherwise asynchronous, like
+        ``apply``."""
         with self._launching():
-            for launch in self._launches_for(remote, remote_block_size, 0):
+            launches = self._launches_for(remote, remote_block_size, 0)
+            if self.backend == "triton":
+                launches = self._tuned(remote, remote_block_size, launches)
+            for launch in launches:
                 plan, bundle = launch.plan, launch.bundle
                 scratch = torch.zeros(
                     (plan.pages_per_group, plan.page_bytes), dtype=torch.uint8, device=self.device
@@ -307,6 +320,69 @@ class CachePostProcess:
                 on_scratch = _Bundle(bundle.format, bundle.kv, bundle.sizes, (region,))
                 groups = np.arange(plan.pages_per_group, dtype=np.int64).reshape(1, -1)
                 self._run(_Launch(on_scratch, plan, launch.prepared), groups, warm_up=True)
+            if self.backend == "triton":
+                for launch in launches:
+                    self._capture(launch)
+
+    def variants(self, remote: FormatRef, remote_block_size: int) -> list[dict[str, object]]:
+        """On CUDA, per launch of a fully covered request from ``remote`` at nP: what warm-up
+        measured and chose (``gpu.choices``: tile size, replays); empty elsewhere."""
+        if self.backend != "triton":
+            return []
+        from kvd.kernels import gpu
+
+        key = (remote, remote_block_size, 0)
+        return [gpu.choices(launch.plan) for launch in self._launches.get(key, [])]
+
+    def _tuned(
+        self, remote: FormatRef, remote_block_size: int, launches: list[_Launch]
+    ) -> list[_Launch]:
+        """``launches`` prepared again where ``gpu.tune`` chose another tile than theirs."""
+        from kvd.kernels import gpu
+
+        for launch in launches:
+            gpu.tune(launch.plan, self.lane, launch.bundle.alignment)
+        if all(
+            launch.prepared is None or launch.prepared.tile_bytes == gpu.tile_for(launch.plan)
+            for launch in launches
+        ):
+            return launches
+        del self._launches[(remote, remote_block_size, 0)]
+        return self._launches_for(remote, remote_block_size, 0)
+
+    def _capture(self, launch: _Launch) -> None:
+        """Capture ``launch`` for 1 to ``gpu.GRAPH_GROUPS`` groups, if a captured launch of one
+        group on scratch pages completes sooner than a direct one (or cannot be timed)."""
+        from kvd.kernels import gpu
+
+        prepared = launch.prepared
+        if prepared is None or not prepared.in_place or launch.replays or gpu.GRAPH_GROUPS < 1:
+            return
+        plan, lane = launch.plan, self.lane
+        scratch = torch.zeros(
+            (plan.pages_per_group, plan.page_bytes), dtype=torch.uint8, device=self.device
+        )
+        on_scratch = gpu.regions(
+            lane,
+            np.array([scratch.data_ptr()], dtype=np.int64),
+            np.array([plan.page_bytes], dtype=np.int64),
+        )
+        groups = np.arange(plan.pages_per_group, dtype=np.int64).reshape(1, -1)
+        try:
+            trial = gpu.Replay(prepared, on_scratch, lane, 1)
+            replay_ms = lane.api.time_ms(lambda: trial(groups), gpu.TUNE_REPEAT)
+        except Exception as exc:  # noqa: BLE001 (any capture failure: launch directly)
+            log.warning("kvd launches %s directly: capturing it failed: %s", plan, exc)
+            return
+        direct_ms = lane.api.time_ms(
+            lambda: gpu.apply_runs(prepared, on_scratch, groups, lane), gpu.TUNE_REPEAT
+        )
+        gpu.note_replay(plan, replay_ms, direct_ms)
+        if replay_ms is not None and direct_ms is not None and replay_ms >= direct_ms:
+            return
+        where = self._where(launch.bundle)
+        for n in range(1, gpu.GRAPH_GROUPS + 1):
+            launch.replays[n] = gpu.Replay(prepared, where, lane, n)
 
     def _launches_for(
         self, remote: FormatRef, remote_block_size: int, covered: int
@@ -359,15 +435,27 @@ class CachePostProcess:
         else:
             from kvd.kernels import gpu
 
+            replay = launch.replays.get(len(groups)) if launch.replays else None
+            if replay is not None:
+                replay(groups)
+                return
             if launch.prepared is None:
                 launch = self._prepare(launch)
             assert launch.prepared is not None
-            where = self._on_device.get(bundle)
-            if where is None:
+            if warm_up:  # a warm-up's bundle is over scratch pages, used once
                 where = gpu.regions(self.lane, bundle.bases, bundle.strides)
-                if not warm_up:  # a warm-up's bundle is over scratch pages, used once
-                    self._on_device[bundle] = where
+            else:
+                where = self._where(bundle)
             gpu.apply_runs(launch.prepared, where, groups, self.lane)
+
+    def _where(self, bundle: _Bundle) -> Regions:
+        """``bundle``'s region table on the device, uploaded once."""
+        from kvd.kernels import gpu
+
+        where = self._on_device.get(bundle)
+        if where is None:
+            where = self._on_device[bundle] = gpu.regions(self.lane, bundle.bases, bundle.strides)
+        return where
 
     def _prepare(self, launch: _Launch) -> _Launch:
         """``launch`` with its plan prepared on the lane (zero plans: once per bundle)."""
