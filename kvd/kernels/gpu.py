@@ -479,10 +479,10 @@ def tune(plan: Plan, lane: Lane, alignment: int) -> dict[int, float]:
     """Time each in-place tile size of ``TILE_CHOICES`` on scratch pages (never a cache's; at
     most ``TUNE_BYTES``) and keep the fastest for ``plan``: ``prepare`` uses it from then on.
 
-    Returns GB/s (listed bytes over the median time) per tile size measured; empty, choosing
-    nothing, where the lane cannot time its work (the host stand-in under Triton's
-    interpreter), where the plan goes through scratch, or where every size makes the same
-    kernel. Compiles each variant (about a second each): for the attach worker's warm-up, not
+    Returns GB/s (listed bytes over the median time) per tile size measured (those that keep
+    the plan in place); empty, choosing nothing, where the lane cannot time its work (the host
+    stand-in under Triton's interpreter), or where fewer than two sizes make distinct in-place
+    kernels. Compiles each variant (about a second each): for the attach worker's warm-up, not
     the executor. A plan is measured once per process. Under ``lane.launching()``.
     """
     if plan in _tiles:
@@ -493,9 +493,8 @@ def tune(plan: Plan, lane: Lane, alignment: int) -> dict[int, float]:
     shapes: dict[tuple[int, ...], Prepared] = {}
     for tile in TILE_CHOICES:
         prepared = prepare(plan, lane, alignment, tile)
-        if not prepared.in_place:
-            return {}
-        shapes.setdefault(prepared.shape, prepared)
+        if prepared.in_place:  # a tile too small for the plan's closed sets goes through scratch
+            shapes.setdefault(prepared.shape, prepared)
     if len(shapes) < 2:
         return {}
     k = plan.pages_per_group

@@ -343,7 +343,9 @@ class CachePostProcess:
         for launch in launches:
             gpu.tune(launch.plan, self.lane, launch.bundle.alignment)
         if all(
-            launch.prepared is None or launch.prepared.tile_bytes == gpu.tile_for(launch.plan)
+            launch.prepared is None
+            or not launch.prepared.in_place
+            or launch.prepared.tile_bytes == gpu.tile_for(launch.plan)
             for launch in launches
         ):
             return launches
