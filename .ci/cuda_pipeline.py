@@ -5,7 +5,10 @@ Sends ``--messages`` notifications of ``--blocks`` blocks each (every one its ow
 each block is rewritten exactly once), ``--concurrency`` in flight, and times each from send to
 its event (``kvd.bench.pipeline.drive``). Then checks a sample of requests' blocks against the
 reference, and every unlisted block untouched. With ``--ready-cuda-event`` the Ready events
-carry CUDA events and the latency is to the Ready (the work is enqueued, not done).
+carry CUDA events and the latency is to the Ready (the work is enqueued, not done). With
+``--engine-markers`` every ReadDone carries a marker recorded on this process's stream when it
+is sent (``kvd.cudaipc.HandOffMarkers``), which kvd's stream waits on before writing: with both,
+the two directions of ordering on the GPU.
 
 Prints one ``PASS``/``FAIL`` line and writes the figures as JSON to ``--out``. Run by
 ``.ci/device-check``; needs the repository root on PYTHONPATH (``tests.reference``).
@@ -14,6 +17,7 @@ Prints one ``PASS``/``FAIL`` line and writes the figures as JSON to ``--out``. R
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import random
 import sys
@@ -26,7 +30,7 @@ import zmq
 
 from kvd.bench.pipeline import Mix, MixError, Target, drive
 from kvd.client import Client, read_done_message
-from kvd.cudaipc import export_tensor
+from kvd.cudaipc import HandOffMarkers, export_tensor
 from kvd.daemon_process import DaemonProcess
 from kvd.protocol import TensorSpec
 from tests.reference import expected_block, same_bytes
@@ -42,10 +46,13 @@ def main() -> int:
     parser.add_argument("--blocks", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--ready-cuda-event", action="store_true")
+    parser.add_argument("--engine-markers", action="store_true")
     parser.add_argument("--sample", type=int, default=64, help="requests whose bytes are checked")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     mode = "cuda-event Ready" if args.ready_cuda_event else "host Ready"
+    if args.engine_markers:
+        mode += ", engine markers"
     name = f"pipeline on CUDA ({mode})"
     try:
         report = run(args)
@@ -114,10 +121,34 @@ def run(args: argparse.Namespace) -> dict[str, object]:
             )
         )
 
+        markers = HandOffMarkers(limit=2 * args.concurrency + 2)
+        carried: collections.deque[bytes] = collections.deque()
+
+        def marker() -> bytes:
+            """A marker recorded now on this process's stream. ``drive`` keeps at most
+            ``concurrency`` notifications in flight, so the one sent ``concurrency + 1``
+            before this one was most likely answered and its marker is dropped (answers come
+            out of order: recording one again before kvd waited on it would only make kvd
+            wait for a later point of this stream, never an earlier one)."""
+            if not args.engine_markers:
+                return b""
+            while len(carried) > args.concurrency:
+                markers.drop(carried.popleft())
+            handle = markers.record()
+            assert handle is not None, "more markers carried than notifications in flight"
+            markers.carry(handle)
+            carried.append(handle)
+            return handle
+
         def make(req_id: str, slot: int) -> bytes:
             blocks = list(range(slot * args.blocks, (slot + 1) * args.blocks))
             return read_done_message(
-                req_id, CACHE_ID, blocks, remote_layout="HND", block_size_ratio=1
+                req_id,
+                CACHE_ID,
+                blocks,
+                remote_layout="HND",
+                block_size_ratio=1,
+                cuda_event=marker(),
             )
 
         try:
@@ -153,6 +184,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         client.detach(CACHE_ID)
     return {
         "mode": "cuda_event" if args.ready_cuda_event else "host",
+        "engine_markers": args.engine_markers,
         "messages": args.messages,
         "blocks_per_message": args.blocks,
         "concurrency": args.concurrency,

@@ -175,6 +175,7 @@ class ReadDoneFields(TypedDict, total=False):
     remote_engine_id: str
     covered_sub_blocks: int
     generation: int
+    cuda_event: bytes
 
 
 def read_done_message(
@@ -467,7 +468,9 @@ class Client(_ClientCore[zmq.Context[zmq.Socket[bytes]], zmq.Socket[bytes]]):
 
         Raises ``KvdError("unknown_cache")`` at once when ``cache_id`` is not attached. Sending
         the same (cache_id, req_id, generation) again is safe: kvd answers it with the outcome
-        of the first and touches nothing.
+        of the first and touches nothing. ``cuda_event``: the IPC handle of an event recorded on
+        the engine's stream at hand-off, which kvd's stream waits on before writing
+        (``kvd.cudaipc.HandOffMarkers``; ``ReadDone.cuda_event``).
         """
         if cache_id not in self._caches.ids:
             self._caches.check(cache_id, self.status())

@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 
-from kvd.protocol import CudaIpcRef
+from kvd.protocol import CUDA_IPC_HANDLE_BYTES, CudaIpcRef
 
 log = logging.getLogger(__name__)
 
-HANDLE_BYTES = 64
+HANDLE_BYTES = CUDA_IPC_HANDLE_BYTES
 _LAZY_ENABLE_PEER_ACCESS = 1
 _KIND_LEGACY = ord("c")
 _KIND_EXPANDABLE = ord("e")
@@ -128,6 +128,69 @@ def forget_events() -> None:
     """Drop the kvd events ``wait_event`` opened (after kvd restarted)."""
     with _events_lock:
         _events.clear()
+
+
+MARKERS_MAX = 1024
+"""Hand-off markers an engine process keeps at most (``HandOffMarkers``)."""
+
+
+class HandOffMarkers:
+    """Engine side: the markers a ``ReadDone`` carries as ``cuda_event``, the other direction
+    of the ordering. kvd's stream waits on a marker before its first write to the request's
+    blocks, so kvd's writes come after everything the engine's stream had enqueued at the
+    hand-off (a kernel of an earlier step still reading those blocks for another request).
+
+    ``record`` records an interprocess event on the engine's stream (one per step suffices:
+    every request handed off in that step carries the same marker); ``carry``/``drop`` count
+    the requests holding it. A marker is recorded again only once no request carries it any
+    more, that is once each one's Ready or Failed arrived (kvd enqueued its wait by then, or
+    never will), and its event is destroyed only with this object (after kvd detached the
+    cache). So at most ``limit`` events exist: one per step whose requests are all still
+    waiting for kvd. Never waits on the GPU: event records and handle reads only.
+    """
+
+    def __init__(self, limit: int = MARKERS_MAX) -> None:
+        self.limit = limit
+        self._events: dict[bytes, torch.cuda.Event] = {}
+        self._carriers: dict[bytes, int] = {}
+        self._free: list[bytes] = []
+
+    def record(self, stream: torch.cuda.Stream | None = None) -> bytes | None:
+        """A marker recorded now on ``stream`` (default: the current stream), carried by no
+        request yet; None when ``limit`` markers are all carried (the caller must not hand
+        the blocks to kvd then: recompute them)."""
+        stream = stream if stream is not None else torch.cuda.current_stream()
+        if self._free:
+            handle = self._free.pop()
+            self._events[handle].record(stream)
+        elif len(self._events) < self.limit:
+            event = torch.cuda.Event(interprocess=True)  # type: ignore[no-untyped-call]
+            event.record(stream)  # creates it, on the stream's device
+            handle = bytes(event.ipc_handle())  # type: ignore[no-untyped-call]
+            self._events[handle] = event
+        else:
+            return None
+        self._carriers[handle] = 0
+        return handle
+
+    def carry(self, handle: bytes) -> None:
+        """One more request carries ``handle`` (sent, or to be sent, in its ReadDone)."""
+        self._carriers[handle] += 1
+
+    def drop(self, handle: bytes) -> None:
+        """A request that carried ``handle`` was answered (or given up on): when it was the
+        last, the marker may be recorded again."""
+        left = self._carriers[handle] - 1
+        if left:
+            self._carriers[handle] = left
+        else:
+            del self._carriers[handle]
+            self._free.append(handle)
+
+    @property
+    def carried(self) -> int:
+        """Markers some request still carries."""
+        return len(self._carriers)
 
 
 class _IpcHandle(ctypes.Structure):

@@ -25,6 +25,9 @@ GROUPS_VERSION: Final = 2
 SEQ_BYTES: Final = 8
 END_SEQ: Final = 2**64 - 1
 
+CUDA_IPC_HANDLE_BYTES: Final = 64
+"""Bytes of a ``cudaIpcMemHandle_t`` or a ``cudaIpcEventHandle_t`` (``cuda_event`` fields)."""
+
 Layout = Literal["NHD", "HND"]
 """Physical layout of one block: NHD (tokens, heads, head_dim) or HND (heads, tokens, head_dim)."""
 
@@ -405,6 +408,14 @@ class ReadDone(_Message, tag="read_done", kw_only=True):
     the request's KV cache groups, in order, each with its own coverage; the top-level
     ``covered_sub_blocks`` is then 0. The request is one notification: one outcome for every
     group, a Ready only when every group is rewritten.
+
+    ``cuda_event`` (a kvd on CUDA only) is the 64-byte ``cudaIpcEventHandle_t`` of an event the
+    engine recorded on its compute stream when it handed the blocks over: kvd's stream waits on
+    it (``cudaStreamWaitEvent``) before its first write to them, so nothing the engine enqueued
+    before the hand-off (a kernel still reading these blocks for an earlier request) sees kvd's
+    writes. The engine may record that event again, or destroy it, only once this request's
+    Ready or Failed arrived (kvd's wait is enqueued by then, or will never be). See
+    protocol/README.md.
     """
 
     req_id: ReqId
@@ -418,6 +429,7 @@ class ReadDone(_Message, tag="read_done", kw_only=True):
     covered_sub_blocks: NonNegative = 0
     generation: NonNegative = 0
     groups: list[BlockGroup] = []
+    cuda_event: bytes = b""
 
 
 class ReadFailed(_Message, tag="read_failed"):

@@ -175,6 +175,17 @@ def golden_messages() -> dict[str, tuple[str, Any]]:
                 v=p.GROUPS_VERSION,
             ),
         ),
+        "read_done_cuda_event": (
+            "ingest",
+            p.ReadDone(
+                req_id="req-5",
+                cache_id="engine0",
+                remote_format="HND",
+                physical_block_ids=[2, 6],
+                remote_block_size=16,
+                cuda_event=bytes(range(64, 128)),
+            ),
+        ),
         "read_failed": (
             "ingest",
             p.ReadFailed(

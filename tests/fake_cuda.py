@@ -120,6 +120,8 @@ class FakeEvent:
         self.recorded_on: FakeStream | None = None
         self.fail: BaseException | None = None
         """Raised by ``synchronize``: an asynchronous CUDA error surfacing."""
+        self.handle = b""
+        """The IPC handle it was opened from (``open_ipc_event``)."""
 
     def record(self, stream: Any) -> None:
         self.api.note("record")
@@ -153,8 +155,12 @@ class HostCuda:
         self.fail_next_event: BaseException | None = None
         """Raised by the next completion event's ``synchronize``: an asynchronous error."""
         self.pinned_bytes = 0
+        self.waits: list[tuple[FakeStream, FakeEvent]] = []
+        """(stream, event) of each ``wait_event``, in order."""
         self.hold_completion: threading.Event | None = None
         """When set, a job's completion event completes only once this is set."""
+        self.unopenable: set[bytes] = set()
+        """IPC event handles ``open_ipc_event`` refuses, as CUDA does a dead process's."""
 
     # -- what the thread has current --------------------------------------------------------
 
@@ -203,6 +209,18 @@ class HostCuda:
     def ipc_handle(self, event: Any) -> bytes:
         return id(event).to_bytes(8, "little") * 8
 
+    def open_ipc_event(self, handle: bytes, device: torch.device) -> FakeEvent:
+        self.note("open_ipc_event")
+        if handle in self.unopenable:
+            raise RuntimeError("CUDA error: invalid resource handle")
+        event = FakeEvent(self, interprocess=True, blocking=False)
+        event.handle = handle
+        return event
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        self.note("wait_event")
+        self.waits.append((stream, event))
+
     def pinned(self, nbytes: int) -> torch.Tensor:
         self.pinned_bytes += nbytes
         return torch.empty(nbytes, dtype=torch.uint8)
@@ -236,3 +254,38 @@ class HostCuda:
 
     def free_cached(self, device: torch.device) -> None:
         self.note("free_cached")
+
+
+class EngineEvent:
+    """A stand-in for the engine's ``torch.cuda.Event(interprocess=True)``."""
+
+    def __init__(self, engine: EngineCuda, interprocess: bool = False) -> None:
+        assert interprocess, "a marker must be an interprocess event"
+        self.engine = engine
+        self.recorded_on: list[object] = []
+        self.number = len(engine.events)
+        engine.events.append(self)
+
+    def record(self, stream: object = None) -> None:
+        self.recorded_on.append(stream)
+        self.engine.calls.append(("record", self.number, stream))
+
+    def ipc_handle(self) -> bytes:
+        assert self.recorded_on, "torch creates the event at its first record"
+        return bytes([self.number % 256]) * 64
+
+
+class EngineCuda:
+    """``torch.cuda.Event`` and ``torch.cuda.current_stream`` as the engine side uses them
+    (``kvd.cudaipc.HandOffMarkers``), installed with ``install(monkeypatch)``: events are
+    numbered as made, every record is noted with the stream, and the current stream is
+    ``current``."""
+
+    def __init__(self) -> None:
+        self.events: list[EngineEvent] = []
+        self.calls: list[tuple[str, int, object]] = []
+        self.current: object = "compute-stream"
+
+    def install(self, monkeypatch: Any) -> None:
+        monkeypatch.setattr(torch.cuda, "Event", lambda **kw: EngineEvent(self, **kw))
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.current)

@@ -8,12 +8,15 @@ on a GPU machine.
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import random
 import subprocess
 import sys
 import threading
 import time
+import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -38,7 +41,13 @@ from kvd.layout.formats import PRESETS, PageSizes
 from kvd.layout.planner import plan
 from kvd.protocol import Attach, CudaIpcRef, Failed, Ready, TensorSpec
 from tests.daemon_helpers import EventTap, by_req, collect, wait_for
-from tests.fake_cuda import CUDA_ERROR_INVALID_VALUE, FakeDriver, FakeRuntime, HostCuda
+from tests.fake_cuda import (
+    CUDA_ERROR_INVALID_VALUE,
+    EngineCuda,
+    FakeDriver,
+    FakeRuntime,
+    HostCuda,
+)
 from tests.kernel_cases import check_cache, make_cache
 from tests.reference import expected_block, random_bytes, same_bytes
 
@@ -481,6 +490,322 @@ def test_tuning_without_a_timer_chooses_nothing() -> None:
     assert gpu.tile_for(pair) == gpu.TILE_BYTES and "tile_bytes" not in gpu.choices(pair)
 
 
+# -- the engine's marker: kvd's stream waits on it before writing (CUDA calls faked) -------------
+
+
+class WaitNoting:
+    """A kernel pass that notes its launch, after whatever the lane's stream waits on."""
+
+    def __init__(self, api: HostCuda, name: str = "apply") -> None:
+        self.api, self.name = api, name
+
+    def apply(self, requests: list[tuple[list[int], int]]) -> None:
+        self.api.note(self.name)
+
+
+def marked_item(rewrite: object, blocks: list[int], markers: list[bytes]) -> WorkItem:
+    item = work_item(rewrite, blocks)
+    item.markers = markers
+    return item
+
+
+async def test_kvds_stream_waits_on_each_marker_before_the_items_first_write() -> None:
+    """Each distinct marker of an item is waited on, on the lane's stream, before the item
+    launches; a handle seen before is not opened again; the opened events live until the job
+    that waited on them completed, even once the lane's cache let them go."""
+    api = HostCuda()
+    api.hold_completion = threading.Event()
+    lane = Lane(GPU3, api=api)
+    loop = asyncio.get_running_loop()
+    done: list[Job] = []
+    executor = CudaExecutor(loop, done.append, lane)
+    one, two = bytes([1]) * 64, bytes([2]) * 64
+    try:
+        first = Job([marked_item(WaitNoting(api), [1], [one, two, one])])
+        executor.submit(first)
+        await poll(lambda: len(api.noted("apply")) == 1)
+        calls = [c for c, *_ in api.notes if c in ("open_ipc_event", "wait_event", "apply")]
+        assert calls == ["open_ipc_event", "wait_event"] * 2 + ["apply"]
+        assert {(t, s) for t, _, s in api.noted("wait_event")} == {("kvd-executor", "kvd3")}
+        assert [(s.name, e.handle) for s, e in api.waits] == [("kvd3", one), ("kvd3", two)]
+        opened = [weakref.ref(e) for _, e in api.waits]
+        lane._markers.clear()  # as if the cache of open markers had let them go
+        api.waits.clear()
+        import gc
+
+        gc.collect()
+        assert all(r() is not None for r in opened), "closed under a wait not yet consumed"
+        api.hold_completion.set()
+        await poll(lambda: len(done) == 1)
+        gc.collect()
+        assert all(r() is None for r in opened), "kept open after the job completed"
+        second = Job([marked_item(WaitNoting(api), [2], [two])])
+        executor.submit(second)
+        await poll(lambda: len(done) == 2)
+        assert len(api.noted("open_ipc_event")) == 3, "dropped from the cache: opened again"
+        third = Job([marked_item(WaitNoting(api), [3], [two])])
+        executor.submit(third)
+        await poll(lambda: len(done) == 3)
+        assert len(api.noted("open_ipc_event")) == 3 and len(api.noted("wait_event")) == 4
+        assert all(item.error is None for job in done for item in job.items)
+    finally:
+        api.hold_completion.set()
+        assert executor.close(timeout=10)
+
+
+def test_the_lane_keeps_a_bounded_number_of_markers_open() -> None:
+    api = HostCuda()
+    lane = Lane(GPU3, api=api)
+    handles = [n.to_bytes(2, "big") * 32 for n in range(device.MARKERS_OPEN + 10)]
+    for handle in handles:
+        lane.wait_for_markers([handle])
+    assert len(lane._markers) == device.MARKERS_OPEN
+    assert list(lane._markers) == handles[10:], "not the least recently used that left"
+
+
+async def test_a_marker_that_cannot_be_opened_fails_its_item_untouched() -> None:
+    """The engine that recorded it is gone: its item fails ``invalid_message`` without a
+    launch; the job's other items run, and kvd goes on."""
+    api = HostCuda()
+    lost = bytes([9]) * 64
+    api.unopenable.add(lost)
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[Job] = loop.create_future()
+    fatal: list[str] = []
+    executor = CudaExecutor(loop, done.set_result, Lane(GPU3, api=api), on_fatal=fatal.append)
+    try:
+        bad = marked_item(WaitNoting(api, "bad"), [1], [lost])
+        good = marked_item(WaitNoting(api, "good"), [2], [bytes(64)])
+        executor.submit(Job([bad, good]))
+        job = await asyncio.wait_for(done, 10)
+    finally:
+        assert executor.close(timeout=10)
+    assert job.items[0].code == "invalid_message"
+    assert job.items[0].error is not None and job.items[0].error.startswith("cuda_event: ")
+    assert "blocks are untouched" in job.items[0].error
+    assert api.noted("bad") == [] and len(api.noted("good")) == 1
+    assert job.items[1].error is None and not fatal and executor.has_capacity()
+
+
+def test_a_marker_is_refused_for_a_cache_in_host_memory_or_of_the_wrong_size() -> None:
+    from kvd.daemon.ledger import Ledger
+    from kvd.daemon.validate import Rejection, validate_read_done
+    from kvd.protocol import ReadDone
+
+    registry = Registry("cpu")
+    for cache_id, where in (("host", torch.device("cpu")), ("gpu", GPU3)):
+        registry.add(
+            AttachedCache(
+                cache_id=cache_id,
+                tensors=[],
+                num_blocks=4,
+                block_size=16,
+                device=where,
+                owner=Owner(b"", ""),
+            )
+        )
+    ledger = Ledger()
+
+    def verdict(cache_id: str, handle: bytes) -> object:
+        msg = ReadDone(req_id="r", cache_id=cache_id, physical_block_ids=[1], cuda_event=handle)
+        return validate_read_done(msg, registry, ledger)
+
+    host = verdict("host", bytes(64))
+    assert isinstance(host, Rejection) and host.code == "invalid_message"
+    assert host.message.startswith("cuda_event: cache 'host' is in host memory")
+    short = verdict("gpu", bytes(63))
+    assert isinstance(short, Rejection) and short.code == "invalid_message"
+    assert short.message == "cuda_event: must be a 64-byte cudaIpcEventHandle_t, got 63 bytes"
+    # A good marker passes this check (and the route decides the rest).
+    fine = verdict("gpu", bytes(64))
+    assert not (isinstance(fine, Rejection) and fine.message.startswith("cuda_event"))
+
+
+def test_a_cpu_kvd_answers_a_marker_with_failed_naming_the_field(short_tmp: Path) -> None:
+    cache = ShmCache.create(num_layers=1, num_blocks=8, block_size=8, num_heads=2, head_dim=8)
+    try:
+        with DaemonProcess(runtime_dir=short_tmp) as d, d.client() as client:
+            client.attach("host", cache.specs)
+            with client.subscribe(["host"]) as sub:
+                client.read_done("m1", "host", [1, 2], remote_layout="HND", cuda_event=bytes(64))
+                (delivery,) = collect(sub, 1)
+            failed = delivery.event
+            assert isinstance(failed, Failed) and failed.code == "invalid_message"
+            assert failed.message.startswith("cuda_event: "), failed.message
+    finally:
+        cache.close()
+
+
+async def test_a_read_done_with_a_marker_is_rewritten_behind_its_wait(short_tmp: Path) -> None:
+    """Through the pipeline: the ReadDone's marker reaches the executor, whose stream waits on
+    it before the request's launch; the blocks are rewritten and the Ready goes out. (The CPU
+    kernel does the work on a cache that says it is on the GPU; the lane's calls are faked.)"""
+    api = HostCuda()
+    shm = ShmCache.create(num_layers=1, num_blocks=8, block_size=8, num_heads=2, head_dim=8)
+    before = [t.clone() for t in shm.tensors]
+    registry = Registry("cpu")
+    cache = open_cache(Attach(cache_id="gpu", tensors=shm.specs), "cpu", Owner(b"", ""))
+    cache.device = GPU3  # what the marker check reads: a cache on a CUDA device
+    registry.add(cache)
+    journal = Journal(short_tmp, 1 << 20)
+    journal.recover()
+    journal.open()
+    publisher = Published()
+    pipeline = Pipeline(
+        asyncio.get_running_loop(),
+        registry,
+        publisher,  # type: ignore[arg-type]
+        Metrics(),
+        journal,
+        batch_window_us=0,
+        max_batch_blocks=64,
+        max_message_bytes=1 << 20,
+        executor_factory=lambda loop, done: CudaExecutor(loop, done, Lane(GPU3, api=api)),
+    )
+    marker = bytes(range(64))
+    try:
+        frame = read_done_message(
+            "r1", "gpu", [1, 2], remote_layout="HND", block_size_ratio=1, cuda_event=marker
+        )
+        pipeline.on_ingest([frame])
+        pipeline.kick()
+        await poll(lambda: bool(publisher.events) and not pipeline.ledger)
+        (ready,) = publisher.events
+        assert isinstance(ready, Ready) and ready.req_id == "r1"
+        assert [e.handle for _, e in api.waits] == [marker]
+        assert next(c for c, *_ in api.notes if c in ("wait_event", "record")) == "wait_event"
+        for kv in range(2):
+            for b in (1, 2):
+                want = expected_block(
+                    before[0][kv, b],
+                    kv_parts=1,
+                    block_size=8,
+                    heads=2,
+                    ratio=1,
+                    remote_layout="HND",
+                    local_layout="NHD",
+                )
+                assert same_bytes(shm.tensors[0][kv, b], want)
+    finally:
+        pipeline.close(timeout=10)
+        journal.close()
+        registry.remove("gpu")
+        shm.close()
+
+
+def test_the_engine_records_a_marker_again_only_once_no_request_carries_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    engine = EngineCuda()
+    engine.install(monkeypatch)
+    markers = cudaipc.HandOffMarkers(limit=2)
+    first = markers.record()
+    assert first is not None
+    markers.carry(first)
+    markers.carry(first)  # two requests of one step share it
+    second = markers.record()
+    assert second is not None and second != first
+    markers.carry(second)
+    assert markers.record() is None, "more markers than the limit"
+    markers.drop(first)
+    assert markers.record() is None, "recorded again while a request still carries it"
+    markers.drop(first)
+    again = markers.record(stream="other-stream")
+    assert again == first, "a free marker is reused, not a new event made"
+    assert [(n, s) for _, n, s in engine.calls] == [
+        (0, "compute-stream"),
+        (1, "compute-stream"),
+        (0, "other-stream"),
+    ]
+    assert len(engine.events) == 2 and markers.carried == 2
+
+
+class StepLink:
+    """What ``KvdWorker``'s step uses of ``kvd.vllm.link.KvdLink``: a send that always goes,
+    the inbox of kvd's answers, the step count and the state."""
+
+    def __init__(self) -> None:
+        from kvd.vllm.link import State
+
+        self.sent: list[bytes] = []
+        self.inbox: collections.deque[tuple[object, int]] = collections.deque()
+        self.steps = 0
+        self.state = State.UP
+
+    def send(self, frame: bytes) -> bool:
+        self.sent.append(frame)
+        return True
+
+
+def test_kvd_vllm_hands_off_behind_one_marker_per_step_and_frees_it_when_answered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The connector's step on a CUDA cache: the requests handed off in one step carry one
+    marker recorded on the engine's current stream; it is recorded again only after kvd
+    answered every request that carried it."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from kvd.vllm import connector
+    except Exception as exc:  # noqa: BLE001 (any failure to load vLLM means: not here)
+        pytest.skip(f"vLLM is not importable: {type(exc).__name__}: {exc}")
+    from types import SimpleNamespace
+
+    import msgspec
+
+    from kvd.protocol import ReadDone
+    from kvd.vllm.groups import Group
+    from kvd.vllm.holding import Holding
+    from kvd.vllm.stats import HandoffStats
+
+    engine = EngineCuda()
+    engine.install(monkeypatch)
+    worker = object.__new__(connector.KvdWorker)
+    link = StepLink()
+    worker.cache_id, worker.block_size = "vllm.e.0", 16
+    worker._remotes = {"prefill": ("HND", 16)}
+    worker._groups = [Group("full", 16, ("layer.0",))]  # one KV cache group
+    worker._holding, worker._unsent, worker._split_reads = Holding(), [], {}
+    worker._markers, worker._step_marker = cudaipc.HandOffMarkers(), b""
+    worker._link, worker.stats = link, HandoffStats()
+    landed: set[str] = set()
+
+    def vllms_results(self: object) -> SimpleNamespace:
+        return SimpleNamespace(finished_recving=set(landed), failed_recving=set())
+
+    monkeypatch.setattr(connector.NixlPullConnectorWorker, "get_transfer_results", vllms_results)
+
+    def step(*req_ids: str) -> SimpleNamespace:
+        landed.clear()
+        for n, req_id in enumerate(req_ids):
+            remote = SimpleNamespace(engine_id="prefill", block_ids=[[n, n + 10]])
+            worker._metas[req_id] = SimpleNamespace(
+                remote=remote, local_physical_block_ids=[[2 * n, 2 * n + 1]]
+            )
+            landed.add(req_id)
+        return worker.get_transfer_results()
+
+    worker._metas = {}
+    decoder = msgspec.msgpack.Decoder(ReadDone)
+    step("r1", "r2")
+    step("r3")
+    markers = {decoder.decode(f).req_id: decoder.decode(f).cuda_event for f in link.sent}
+    assert markers["r1"] == markers["r2"] != markers["r3"]
+    assert [(n, s) for _, n, s in engine.calls] == [(0, "compute-stream"), (1, "compute-stream")]
+    for req_id in ("r1", "r2"):
+        link.inbox.append((Ready(req_id=req_id, cache_id="vllm.e.0", physical_block_ids=[]), 0))
+    released = step("r4")
+    assert released.finished_recving >= {"r1", "r2"}
+    engine.current = "another-stream"
+    step("r5")
+    sent = {decoder.decode(f).req_id: decoder.decode(f).cuda_event for f in link.sent}
+    # r4 was handed off in the step whose answers freed r1's marker, before they were read:
+    # a new event; r5 reuses the freed one.
+    assert sent["r4"] not in (sent["r1"], sent["r3"]) and sent["r5"] == sent["r1"]
+    assert [(n, s) for _, n, s in engine.calls][-1] == (0, "another-stream")
+    assert len(engine.events) == 3
+
+
 # -- on a GPU -------------------------------------------------------------------------------------
 
 CASES = [
@@ -797,3 +1122,67 @@ def test_warm_up_tunes_and_captures_and_requests_replay_exactly() -> None:
         post.apply([request], "HND", 64)
     torch.cuda.synchronize()
     check_cache(cache, requests, "HND", 64)
+
+
+@pytest.mark.cuda
+@gpu
+@pytest.mark.parametrize("with_marker", [True, False])
+def test_kvds_writes_follow_the_engines_stream_through_the_marker(
+    gpu_daemon: DaemonProcess, with_marker: bool
+) -> None:
+    """The engine's stream still writes the blocks when it hands them over (a 2 s GPU sleep,
+    then the landed bytes). With the marker kvd's stream waits and rewrites those bytes; the
+    control without it shows kvd would otherwise write first, and the engine's late write
+    leaves the blocks in the remote layout."""
+    block_size, heads, head_dim = 16, 8, 128
+    old = random_bytes([2, 64, block_size, heads, head_dim], torch.bfloat16, 11)
+    landed = random_bytes([2, 64, block_size, heads, head_dim], torch.bfloat16, 12)
+    tensor = old.cuda()
+    landed_on_gpu = landed.cuda()
+    torch.cuda.synchronize()
+    ids = [6, 2, 40]
+    index = torch.tensor(ids, device="cuda")
+    with Client(gpu_daemon.runtime_dir) as c:
+        cache_id = f"marker-{with_marker}"
+        c.attach(cache_id, cuda_specs([tensor], "NHD", block_size))
+        sub = c.subscribe([cache_id])
+        engine = torch.cuda.Stream()
+        markers = cudaipc.HandOffMarkers()
+        with torch.cuda.stream(engine):
+            torch.cuda._sleep(2_000_000_000)  # about a second or two of GPU cycles
+            tensor[:, index] = landed_on_gpu[:, index]
+        marker = markers.record(engine)
+        assert marker is not None
+        markers.carry(marker)
+        c.read_done(
+            "w1",
+            cache_id,
+            ids,
+            remote_layout="HND",
+            block_size_ratio=1,
+            cuda_event=marker if with_marker else b"",
+        )
+        (delivery,) = collect(sub, 1)
+        assert isinstance(delivery.event, Ready), delivery.event
+        markers.drop(marker)
+        torch.cuda.synchronize()
+        now = tensor.cpu()
+        rewritten = all(
+            same_bytes(
+                now[kv, b],
+                expected_block(
+                    landed[kv, b],
+                    kv_parts=1,
+                    block_size=block_size,
+                    heads=heads,
+                    ratio=1,
+                    remote_layout="HND",
+                    local_layout="NHD",
+                ),
+            )
+            for kv in range(2)
+            for b in ids
+        )
+        assert rewritten == with_marker
+        c.detach(cache_id)
+        sub.close()

@@ -29,7 +29,7 @@ import msgspec
 
 from kvd.daemon.batcher import Batch
 from kvd.daemon.routes import Rewrite
-from kvd.kernels.faults import DeviceFailed, MemoryFault
+from kvd.kernels.faults import DeviceFailed, MarkerError, MemoryFault
 from kvd.protocol import Reason
 
 if TYPE_CHECKING:  # the kernels load after READY (see kvd.kernels)
@@ -63,6 +63,9 @@ class WorkItem(msgspec.Struct, eq=False, gc=False):
     """With ``ready_events``: the IPC handle of the event recorded behind the launches."""
     announced: bool = False
     """Set by the pipeline once the item's Ready went out, before its work completed."""
+    markers: list[bytes] = []
+    """The engines' markers (``ReadDone.cuda_event``) kvd's stream waits on before the
+    item's first write (CUDA only: validation refuses them elsewhere)."""
 
     @property
     def num_blocks(self) -> int:
@@ -295,9 +298,21 @@ class CudaExecutor(Executor):
         return True
 
     def _launch(self, job: Job) -> _Waiting:
-        """Launch every item of ``job`` and record the events behind them."""
+        """Launch every item of ``job``, each behind the engine markers it carries, and record
+        the events behind them."""
         self._check_injected_failure()
+        markers: list[CudaEvent] = []
         for item in job.items:
+            if item.markers:
+                try:
+                    markers += self.lane.wait_for_markers(item.markers)
+                except MarkerError as exc:
+                    # Nothing of the item was enqueued: its blocks are untouched.
+                    item.error = f"cuda_event: {exc}; the blocks are untouched"
+                    item.code = Reason.INVALID_MESSAGE
+                    log.error("post-process of %d blocks refused: %s", item.num_blocks, exc)
+                    self._check_device()
+                    continue
             run_item(item)
             if item.crashed:
                 self._check_device()
@@ -310,7 +325,7 @@ class CudaExecutor(Executor):
         # Blocking sync: the waiter thread sleeps instead of spinning on the event.
         event = self.lane.api.new_event(blocking=True)
         event.record(self.stream)
-        return _Waiting(job, event, ready)
+        return _Waiting(job, event, ready, markers)
 
     def _ipc_event(self) -> tuple[CudaEvent, bytes]:
         """An interprocess event from the pool (or a new one), recorded on the stream now."""
@@ -347,6 +362,7 @@ class CudaExecutor(Executor):
         except RuntimeError as exc:  # asynchronous, so sticky: the context is gone
             self._fail(f"the CUDA post-process failed: {exc}")
             return True
+        entry.markers.clear()  # the waits on them are consumed: they may close now
         if entry.ready is not None:
             self._ipc_events.put(entry.ready)  # its recording is complete: reusable
         entry.job.finished_ns = time.monotonic_ns()
@@ -360,8 +376,10 @@ class CudaExecutor(Executor):
 
 @dataclass(slots=True, eq=False)
 class _Waiting:
-    """A launched job, the event its completion is seen by, and its interprocess event."""
+    """A launched job, the event its completion is seen by, its interprocess event, and the
+    engine markers its launches wait on (held open until the job completed)."""
 
     job: Job
     event: CudaEvent
     ready: tuple[CudaEvent, bytes] | None
+    markers: list[CudaEvent]

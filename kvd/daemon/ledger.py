@@ -55,6 +55,8 @@ class Request(msgspec.Struct, kw_only=True, eq=False, gc=False):
     groups: list[tuple[int, int]] | None = None
     """(blocks, covered_sub_blocks) of each KV cache group, splitting ``physical_block_ids`` in
     order (a hybrid model's ReadDone); None: one group, covered by ``covered_sub_blocks``."""
+    cuda_event: bytes = b""
+    """The engine's marker (``ReadDone.cuda_event``): kvd's stream waits on it before writing."""
     state: State = State.ACCEPTED
     error: tuple[str, str] | None = None
     """(code, message) when the post-process failed; set when the request reaches DONE."""

@@ -182,6 +182,7 @@ class Pipeline:
                 received_ns=received_ns,
                 covered_sub_blocks=msg.covered_sub_blocks,
                 groups=[(g.num_blocks, g.covered_sub_blocks) for g in msg.groups] or None,
+                cuda_event=msg.cuda_event,
             )
             self.ledger.accept(request)
             self.ledger.advance(request, State.BATCHED)
@@ -357,7 +358,9 @@ class Pipeline:
                 metrics.queue_wait.observe((now - request.received_ns) / 1e9)
             rewrites = cache.rewrites(batch.remote_format, batch.remote_block_size)
             requests = [part for r in batch.requests for part in r.parts()]
-            items.append(WorkItem(batch, rewrites, requests, batch.num_blocks * cache.work_bytes))
+            item = WorkItem(batch, rewrites, requests, batch.num_blocks * cache.work_bytes)
+            item.markers = [r.cuda_event for r in batch.requests if r.cuda_event]
+            items.append(item)
             metrics.batch_blocks.observe(batch.num_blocks)
             metrics.batches.value += 1
         self._launch_cpu_ns.append(time.thread_time_ns() - cpu_ns)

@@ -30,6 +30,7 @@ from kvd.layout.geometry import (
     resolve_remote_block_size,
 )
 from kvd.protocol import (
+    CUDA_IPC_HANDLE_BYTES,
     GROUPS_VERSION,
     PROTOCOL_VERSION,
     ReadDone,
@@ -122,6 +123,10 @@ def validate_read_done(msg: ReadDone, registry: Registry, ledger: Ledger) -> Ver
         return Rejection(Reason.CACHE_DETACHED, cache.detaching)
     if cache.lost is not None:
         return Rejection(Reason.MEMORY_UNAVAILABLE, cache.lost)
+    if msg.cuda_event:
+        problem = _marker_problem(msg.cuda_event, cache)
+        if problem is not None:
+            return Rejection(Reason.INVALID_MESSAGE, problem)
     key = (msg.remote_format, msg.remote_layout, msg.block_size_ratio, msg.remote_block_size)
     found = cache.routes.get(key)
     if found is None:
@@ -168,6 +173,21 @@ def _groups_problem(msg: ReadDone) -> str | None:
         return (
             f"groups: they count {listed} blocks, physical_block_ids lists "
             f"{len(msg.physical_block_ids)}"
+        )
+    return None
+
+
+def _marker_problem(handle: bytes, cache: AttachedCache) -> str | None:
+    """Why kvd cannot wait on the engine's marker ``handle`` before writing ``cache``, or None."""
+    if cache.device.type != "cuda":
+        return (
+            f"cuda_event: cache {cache.cache_id!r} is in host memory ({cache.device}); a CUDA "
+            "event orders only a kvd on the GPU"
+        )
+    if len(handle) != CUDA_IPC_HANDLE_BYTES:
+        return (
+            f"cuda_event: must be a {CUDA_IPC_HANDLE_BYTES}-byte cudaIpcEventHandle_t, got "
+            f"{len(handle)} bytes"
         )
     return None
 

@@ -14,20 +14,27 @@ the order they are enqueued.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import statistics
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvd.kernels.faults import MarkerError
+
 RING_SLOTS = 8
 """Slots of the block-id ring: launches whose ids are still being read, at most."""
 RING_SLOT_IDS = 1 << 16
 """Block ids one slot holds (256 KiB); a launch with more is split."""
+MARKERS_OPEN = 256
+"""Engine markers (``ReadDone.cuda_event``) a lane keeps open, least recently used first out.
+An engine records its markers from a small pool, so each handle is opened once; one that
+leaves stays open until the jobs that waited on it completed (they hold it)."""
 
 
 class CudaEvent(Protocol):
@@ -56,6 +63,13 @@ class CudaApi(Protocol):
 
     def ipc_handle(self, event: CudaEvent) -> bytes:
         """The 64-byte ``cudaIpcEventHandle_t`` of an interprocess event (recorded once)."""
+
+    def open_ipc_event(self, handle: bytes, device: torch.device) -> CudaEvent:
+        """Another process's interprocess event (``cudaIpcOpenEventHandle``)."""
+
+    def wait_event(self, stream: Any, event: CudaEvent) -> None:
+        """``cudaStreamWaitEvent``: what is enqueued on ``stream`` from now on runs after the
+        event's latest recording completed. Returns at once."""
 
     def pinned(self, nbytes: int) -> torch.Tensor:
         """Page-locked host memory, uint8."""
@@ -113,6 +127,13 @@ class TorchCuda:
     def ipc_handle(self, event: CudaEvent) -> bytes:
         assert isinstance(event, torch.cuda.Event)
         return bytes(event.ipc_handle())  # type: ignore[no-untyped-call]
+
+    def open_ipc_event(self, handle: bytes, device: torch.device) -> CudaEvent:
+        event: CudaEvent = torch.cuda.Event.from_ipc_handle(device, handle)  # type: ignore[no-untyped-call]
+        return event
+
+    def wait_event(self, stream: Any, event: CudaEvent) -> None:
+        stream.wait_event(event)
 
     def pinned(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -249,6 +270,7 @@ class Lane:
         self.ids = IdRing(self)
         self._scratch: torch.Tensor | None = None
         self._entered = threading.local()
+        self._markers: collections.OrderedDict[bytes, CudaEvent] = collections.OrderedDict()
 
     @contextlib.contextmanager
     def launching(self) -> Iterator[None]:
@@ -279,6 +301,33 @@ class Lane:
         if scratch is None or scratch.numel() < nbytes:
             scratch = self._scratch = self.api.empty(nbytes, self.device)
         return scratch
+
+    def wait_for_markers(self, handles: Sequence[bytes]) -> list[CudaEvent]:
+        """Make the stream wait, on the GPU, for each engine marker in ``handles`` (IPC event
+        handles): kernels enqueued afterwards run once every one's latest recording completed.
+        The executor's thread, under ``launching()``; never blocks the host.
+
+        Returns the opened events: the caller holds them until the work enqueued behind them
+        completed, so that one this lane stops caching is not destroyed under a pending wait.
+        Raises ``MarkerError`` when a handle cannot be opened (the engine that recorded it is
+        gone, or it is not an event of this device); the stream then waits on those before it.
+        """
+        waited = []
+        for handle in dict.fromkeys(handles):  # one wait per distinct marker, in order
+            event = self._markers.get(handle)
+            if event is None:
+                try:
+                    event = self.api.open_ipc_event(handle, self.device)
+                except RuntimeError as exc:
+                    raise MarkerError(f"cudaIpcOpenEventHandle failed: {exc}") from exc
+                self._markers[handle] = event
+                while len(self._markers) > MARKERS_OPEN:
+                    self._markers.popitem(last=False)
+            else:
+                self._markers.move_to_end(handle)
+            self.api.wait_event(self.stream, event)
+            waited.append(event)
+        return waited
 
     def synchronize(self) -> None:
         self.api.synchronize(self.device)

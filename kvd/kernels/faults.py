@@ -27,3 +27,8 @@ class DeviceFailed(RuntimeError):
     """The device's context is broken (a sticky CUDA error such as an illegal address): every
     later CUDA call fails, and what the work in flight wrote is unknown. Only a new process
     gets a new context."""
+
+
+class MarkerError(Exception):
+    """An engine's marker (``ReadDone.cuda_event``) that cannot be opened: the engine that
+    recorded it is gone, or it is no event of this device. Nothing was enqueued behind it."""

@@ -12,7 +12,9 @@ differs in five places:
   to kvd at ``register_kv_caches`` with its exact page format (CUDA IPC on GPU); a backend, layout
   or CPU ISA whose format kvd does not know is refused at startup, never guessed;
 - the post-process vLLM would run inline is replaced: each request whose READ finished is sent
-  to kvd as a ReadDone (covered sub-blocks included) and held out of ``finished_recving``;
+  to kvd as a ReadDone (covered sub-blocks included) and held out of ``finished_recving``; on
+  CUDA the ReadDone carries a marker recorded on the engine's current stream at the hand-off,
+  which kvd's stream waits on before its first write (``kvd.cudaipc.HandOffMarkers``);
 - kvd's Ready releases it; kvd's Failed releases it as a failed receive, its blocks reported
   invalid, so ``kv_load_failure_policy="recompute"`` recomputes it;
 - a prefill engine with larger blocks (nP > nD), which vLLM refuses, is read in whole groups of
@@ -42,7 +44,7 @@ import re
 import sys
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -82,6 +84,9 @@ from kvd.vllm.link import (
 from kvd.vllm.shm import ShmAllocation
 from kvd.vllm.split import SplitError, plan_split_read, split_remote_pages
 from kvd.vllm.stats import HandoffStats
+
+if TYPE_CHECKING:
+    from kvd.cudaipc import HandOffMarkers
 
 # Under "vllm.", so vLLM's own log handler shows these lines with the engine's.
 log = logging.getLogger("vllm.kvd")
@@ -197,6 +202,10 @@ class KvdWorker(NixlPullConnectorWorker):
         copy in the step that reports them finished, before kvd is told)."""
         self._holding = Holding()
         self._unsent: list[Held] = []
+        self._markers: HandOffMarkers | None = None
+        """On CUDA: the markers kvd's stream waits on before writing handed-off blocks."""
+        self._step_marker = b""
+        """The marker the requests handed off in the current step carry (one per step)."""
         self.stats = HandoffStats()
         group = extra.get("kvd_shm_group")
         self.allocation = (
@@ -220,6 +229,10 @@ class KvdWorker(NixlPullConnectorWorker):
             ) from exc
         io_cpus_note = self._place_io_thread(kvd_cpus)
         specs = self._tensor_specs(kv_caches)
+        if any(t.device.type == "cuda" for t in kv_caches.values()):
+            from kvd.cudaipc import HandOffMarkers
+
+            self._markers = HandOffMarkers()
         attachment = Attachment(self.cache_id, specs, self.engine_id, self._attach_timeout_s)
         self._link = KvdLink(
             self.kvd,
@@ -418,6 +431,7 @@ class KvdWorker(NixlPullConnectorWorker):
             return results  # most steps: nothing landed, nothing to answer
         started = time.perf_counter()
         handed_off = 0
+        self._step_marker = b""
         if results.finished_recving:
             for req_id in list(results.finished_recving):
                 meta = self._metas.pop(req_id, None)
@@ -507,6 +521,17 @@ class KvdWorker(NixlPullConnectorWorker):
             results.finished_recving.add(req_id)
             results.failed_recving.add(req_id)
             return
+        marker = self._marker()
+        if marker is None:
+            log.warning(
+                "request %s is recomputed: all %d hand-off markers are carried by requests "
+                "kvd has not answered",
+                req_id,
+                self._markers.limit if self._markers else 0,
+            )
+            results.finished_recving.add(req_id)
+            results.failed_recving.add(req_id)
+            return
         held = Held(
             req_id=req_id,
             block_ids=[int(b) for b in local],
@@ -515,10 +540,25 @@ class KvdWorker(NixlPullConnectorWorker):
             covered_sub_blocks=covered,
             remote_engine_id=engine_id,
             groups=groups,
+            cuda_event=marker,
         )
         self._holding.hold(held)
         if state is State.UP and not link.send(_read_done(self.cache_id, held)):
             self._unsent.append(held)
+
+    def _marker(self) -> bytes | None:
+        """The step's hand-off marker, carried once more (recorded on the engine's current
+        stream at the step's first hand-off): b"" off CUDA, None when none is free."""
+        markers = self._markers
+        if markers is None:
+            return b""
+        if not self._step_marker:
+            recorded = markers.record()
+            if recorded is None:
+                return None
+            self._step_marker = recorded
+        markers.carry(self._step_marker)
+        return self._step_marker
 
     def _take_answers(self, link: KvdLink) -> tuple[Released, list[int]]:
         """kvd's answers and the link's notices so far, and the steps each answer waited;
@@ -542,6 +582,9 @@ class KvdWorker(NixlPullConnectorWorker):
                 # it is released in the first step after it.
                 waits.append(link.steps - queued_at)
         released.merge(self._holding.answer(events))
+        if self._markers is not None:
+            for marker in released.markers:
+                self._markers.drop(marker)
         if self._unsent and link.state is State.UP:
             unsent, self._unsent = self._unsent, []
             for held in unsent:
@@ -617,6 +660,7 @@ def _read_done(cache_id: str, held: Held) -> bytes:
         covered_sub_blocks=held.covered_sub_blocks,
         remote_engine_id=held.remote_engine_id,
         groups=held.groups,
+        cuda_event=held.cuda_event,
     )
 
 

@@ -28,6 +28,8 @@ class Held:
     groups: tuple[tuple[int, int], ...] = ()
     """A hybrid model's (blocks, covered_sub_blocks) per KV cache group, splitting
     ``block_ids``; empty for one group."""
+    cuda_event: bytes = b""
+    """The hand-off marker its ReadDone carries (on CUDA; ``kvd.cudaipc.HandOffMarkers``)."""
     sent_at: float = field(default_factory=time.monotonic)
 
 
@@ -66,11 +68,14 @@ class Released:
     failed: set[str] = field(default_factory=set)
     latencies_s: list[float] = field(default_factory=list)
     """ReadDone sent to event received, per request answered by kvd."""
+    markers: list[bytes] = field(default_factory=list)
+    """The hand-off markers the released requests carried, one entry per request."""
 
     def merge(self, other: Released) -> None:
         self.finished |= other.finished
         self.failed |= other.failed
         self.latencies_s += other.latencies_s
+        self.markers += other.markers
 
 
 class Holding:
@@ -99,6 +104,8 @@ class Holding:
                 continue
             out.finished.add(held.req_id)
             out.latencies_s.append(now - held.sent_at)
+            if held.cuda_event:
+                out.markers.append(held.cuda_event)
             if isinstance(event, Failed):
                 out.failed.add(held.req_id)
                 self.failures[held.req_id] = event.code
@@ -111,5 +118,6 @@ class Holding:
     def give_up(self) -> Released:
         """Fail every held request: only when no kvd can be writing their blocks."""
         out = Released(finished=set(self._held), failed=set(self._held))
+        out.markers = [h.cuda_event for h in self._held.values() if h.cuda_event]
         self._held.clear()
         return out
