@@ -1186,3 +1186,31 @@ def test_kvds_writes_follow_the_engines_stream_through_the_marker(
         assert rewritten == with_marker
         c.detach(cache_id)
         sub.close()
+
+
+@pytest.mark.cuda
+@gpu
+def test_hand_off_markers_never_synchronize() -> None:
+    """What kvd.vllm's step does on CUDA (records a marker, counts its carriers, frees it)
+    under torch's sync debug mode "error", which vLLM's VLLM_GPU_SYNC_CHECK=error arms
+    around each step: any synchronizing call raises."""
+    markers = cudaipc.HandOffMarkers(limit=4)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(100_000_000)  # the engine's stream busy: a sync would wait here
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            handles = [markers.record(stream) for _ in range(4)]
+            assert all(h is not None and len(h) == 64 for h in handles)
+            for handle in handles:
+                assert handle is not None
+                markers.carry(handle)
+            assert markers.record(stream) is None
+            for handle in handles:
+                assert handle is not None
+                markers.drop(handle)
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    stream.synchronize()
