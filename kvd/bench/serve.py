@@ -209,15 +209,24 @@ def greedy_check(
     in float32 the CPU backend's greedy tokens do not depend on it (bf16's may)."""
     expected = [completion_text(single, model, p, max_tokens, False) for p in prompts]
     cases = [(p, e, s) for p, e in zip(prompts, expected, strict=True) for s in (False, True)]
-    sequential = [completion_text(proxy, model, p, max_tokens, s) == e for p, e, s in cases]
+    errors: list[str] = []
+
+    def through_proxy(case: tuple[str, str, bool]) -> str | None:
+        """The proxied text, or None (an error answer is not the single instance's text)."""
+        try:
+            return completion_text(proxy, model, case[0], max_tokens, case[2])
+        except (OSError, ValueError) as exc:
+            errors.append(str(exc))
+            return None
+
+    sequential = [through_proxy(c) == c[1] for c in cases]
     with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
-        texts = list(
-            pool.map(lambda c: completion_text(proxy, model, c[0], max_tokens, c[2]), cases)
-        )
+        texts = list(pool.map(through_proxy, cases))
     concurrent_ = [t == e for t, (_, e, _) in zip(texts, cases, strict=True)]
     return {
         "equal": sum(sequential) + sum(concurrent_),
         "of": len(sequential) + len(concurrent_),
+        "errors": errors,
     }
 
 

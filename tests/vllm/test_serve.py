@@ -65,7 +65,9 @@ def stock(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ser
     """A stock decode server of the recipe's block size, started before the recipe's servers
     move any KV: from its first transfer, NIXL's progress thread polls a core in the recipe's
     stock prefill, and a server starting beside it waits for CPU."""
-    args = argparse.Namespace(nixl_progress_thread=False, concurrency=4, prefix_caching=True)
+    # Stock as vLLM runs it: NIXL's progress thread on (the bench's off switch once left a stock
+    # worker hung in execute_model until vLLM's 300 s timeout, in one run of four).
+    args = argparse.Namespace(nixl_progress_thread=True, concurrency=4, prefix_caching=True)
     server = Server(
         tmp_path_factory.mktemp("stock"),
         name="decode-stock",
@@ -132,7 +134,7 @@ def test_kvd_decodes_the_single_instances_text(recipe: Path, model: Path) -> Non
     with Client(recipe) as kvd:
         assert [c.cache_id for c in kvd.status().caches], "the decode attached no cache to kvd"
     check = greedy_check(PROXY, PREFILL, model, check_prompts(3), max_tokens=16)
-    assert check["equal"] == check["of"], check
+    assert check["equal"] == check["of"] and not check["errors"], check
 
 
 def test_a_stock_decode_decodes_other_text(recipe: Path, model: Path, stock: Server) -> None:
