@@ -65,8 +65,9 @@ def stock(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ser
     """A stock decode server of the recipe's block size, started before the recipe's servers
     move any KV: from its first transfer, NIXL's progress thread polls a core in the recipe's
     stock prefill, and a server starting beside it waits for CPU."""
-    # Stock as vLLM runs it: NIXL's progress thread on (the bench's off switch once left a stock
-    # worker hung in execute_model until vLLM's 300 s timeout, in one run of four).
+    # Stock as vLLM runs it: NIXL's progress thread on. Its worker may hang in execute_model
+    # here until vLLM's 300 s timeout (seen with the thread on and off, after decode-side prefix
+    # hits): its error answers count as other text.
     args = argparse.Namespace(nixl_progress_thread=True, concurrency=4, prefix_caching=True)
     server = Server(
         tmp_path_factory.mktemp("stock"),
