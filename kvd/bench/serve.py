@@ -215,8 +215,8 @@ def greedy_check(
         """The proxied text, or None (an error answer is not the single instance's text)."""
         try:
             return completion_text(proxy, model, case[0], max_tokens, case[2])
-        except (OSError, ValueError) as exc:
-            errors.append(str(exc))
+        except (OSError, ValueError, KeyError) as exc:  # KeyError: an error body, no choices
+            errors.append(repr(exc))
             return None
 
     sequential = [through_proxy(c) == c[1] for c in cases]
