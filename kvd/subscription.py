@@ -111,6 +111,10 @@ class _Ordering:
         # The refusals topic is learnt first: its answer tells the daemon's epoch.
         self.pending: deque[_Gap] = deque([_Gap(UNATTACHED_TOPIC, None)])
         self.pending.extend(_Gap(t, from_seq) for t in topics if t != UNATTACHED_TOPIC)
+        if from_seq is not None:
+            # Known before the replay from it is answered: a live event read while it is in
+            # flight then shows a gap, instead of becoming the first and hiding older ones.
+            self.expected.update((t, from_seq) for t in topics if t != UNATTACHED_TOPIC)
         self.epoch: int | None = None
         self.replaced: set[int] = set()
         """Epochs of daemons this subscription saw replaced by a newer one."""

@@ -166,3 +166,17 @@ def test_a_late_event_of_a_replaced_daemon_is_not_another_restart() -> None:
     assert not order.pending and delivered(order) == []
     assert order.live(b"c", encode_seq(2), ready(2, epoch=8)) is None
     assert delivered(order) == [2]
+
+
+def test_a_live_event_during_the_first_replay_waits_for_the_events_before_it() -> None:
+    # The replay from ``from_seq`` is in flight while live events are read: one published
+    # meanwhile must neither jump ahead of the replayed ones nor make them look old.
+    order = ordering(["c"], 1)
+    first = order.pending.popleft()
+    assert first == _Gap("c", 1)
+    gap = live(order, 2)
+    assert gap is not None and gap.from_seq == 1
+    assert delivered(order) == []
+    order.replayed(first, [(1, ready(1))], end(1, 1))
+    order.replayed(gap, [(1, ready(1)), (2, ready(2))], end(1, 2))
+    assert delivered(order) == [1, 2]
