@@ -30,7 +30,9 @@ import zmq
 from kvd import __version__
 from kvd.cpus import format_cpus
 from kvd.daemon import health
+from kvd.daemon.binding import EndpointError, bind, normalize_endpoint
 from kvd.daemon.config import Config
+from kvd.daemon.connection_guard import FD_RESERVE, HANDSHAKE_S, ConnectionGuard, raise_fd_limit
 from kvd.daemon.control import Control
 from kvd.daemon.executor import CudaExecutor, Executor, Job
 from kvd.daemon.journal import Journal, JournalError
@@ -38,24 +40,17 @@ from kvd.daemon.metrics import Metrics
 from kvd.daemon.metrics_http import HEALTH_PATH, READY_PATH, MetricsServer, parse_metrics_addr
 from kvd.daemon.pipeline import Pipeline
 from kvd.daemon.publisher import Publisher, ReplayServer, peer_queue
+from kvd.daemon.reader import SocketReader
 from kvd.daemon.registry import Registry
-from kvd.daemon.sdnotify import Notifier
-from kvd.daemon.sockets import (
-    FD_RESERVE,
-    HANDSHAKE_S,
-    ConnectionGuard,
-    EndpointError,
+from kvd.daemon.runtime_dir import (
     RuntimeLock,
-    SocketReader,
-    bind,
-    normalize_endpoint,
     prepare_runtime_dir,
-    raise_fd_limit,
     remove_runtime_files,
     write_endpoints,
-    yield_io_threads,
 )
+from kvd.daemon.sdnotify import Notifier
 from kvd.daemon.timers import Every
+from kvd.daemon.zmq_io import yield_io_threads
 from kvd.endpoints import Endpoints, default_runtime_dir
 
 log = logging.getLogger(__name__)
