@@ -83,6 +83,8 @@ def parse_device(spec: str) -> str:
         return "cpu"
     import torch
 
+    from kvd.torch_cuda import torch_cuda
+
     if not torch.cuda.is_available():
         raise StartupError(f"device: {spec!r} was asked for, but CUDA is not available here")
     index = int(match[2]) if match[2] is not None else torch.cuda.current_device()
@@ -92,7 +94,7 @@ def parse_device(spec: str) -> str:
         )
     device = torch.device("cuda", index)
     torch.cuda.set_device(device)
-    torch.cuda.init()  # type: ignore[no-untyped-call]
+    torch_cuda().init()
     return str(device)
 
 
