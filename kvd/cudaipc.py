@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from kvd.protocol import CUDA_IPC_HANDLE_BYTES, CudaIpcRef
+from kvd.torch_cuda import ipc_handle, share_cuda, torch_cuda
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def export_tensor(tensor: torch.Tensor) -> CudaIpcRef:
     """
     if tensor.device.type != "cuda":
         raise CudaIpcError(f"export_tensor needs a CUDA tensor, got {tensor.device}")
-    shared = tensor.untyped_storage()._share_cuda_()  # type: ignore[no-untyped-call]
+    shared = share_cuda(tensor)
     handle, storage_offset = shared[1], shared[3]
     if handle is None:
         raise CudaIpcError("an empty tensor has no memory to export")
@@ -115,7 +116,7 @@ def wait_event(handle: bytes, stream: torch.cuda.Stream | None = None) -> None:
     with _events_lock:
         event = _events.get(key)
         if event is None:
-            event = torch.cuda.Event.from_ipc_handle(stream.device, handle)  # type: ignore[no-untyped-call]
+            event = torch_cuda().Event.from_ipc_handle(stream.device, handle)
             _events[key] = event
             while len(_events) > EVENTS_CACHED:
                 _events.popitem(last=False)
@@ -164,9 +165,9 @@ class HandOffMarkers:
             handle = self._free.pop()
             self._events[handle].record(stream)
         elif len(self._events) < self.limit:
-            event = torch.cuda.Event(interprocess=True)  # type: ignore[no-untyped-call]
+            event = torch_cuda().Event(interprocess=True)
             event.record(stream)  # creates it, on the stream's device
-            handle = bytes(event.ipc_handle())  # type: ignore[no-untyped-call]
+            handle = ipc_handle(event)
             self._events[handle] = event
         else:
             return None
@@ -200,7 +201,7 @@ class _IpcHandle(ctypes.Structure):
 @functools.cache
 def _runtime() -> Any:
     """The CUDA runtime library torch itself loaded (found in this process's mappings)."""
-    torch.cuda.init()  # type: ignore[no-untyped-call]
+    torch_cuda().init()
     with open("/proc/self/maps") as maps:
         paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
     if not paths:

@@ -27,9 +27,9 @@ import zmq
 
 from kvd.client import Client, KvdError, ShmCache, read_done_message
 from kvd.daemon.attach import open_cache
+from kvd.daemon.connection_guard import FD_RESERVE
 from kvd.daemon.memory import Span
 from kvd.daemon.registry import Owner, Registry
-from kvd.daemon.sockets import FD_RESERVE
 from kvd.daemon_process import DaemonProcess
 from kvd.protocol import UNATTACHED_TOPIC, Attach, Failed, Ready, Replay, ShmRef, TensorSpec
 from tests.daemon_helpers import (

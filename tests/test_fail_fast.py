@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from kvd.client import AsyncClient, Client, KvdTimeout, KvdUnavailable, ReplayError
-from kvd.daemon.sockets import RuntimeLock
+from kvd.daemon.runtime_dir import RuntimeLock
 from kvd.daemon_process import DaemonProcess
 from kvd.endpoints import check_running
 from tests.daemon_helpers import kvd

@@ -15,9 +15,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from kvd.daemon.binding import EndpointError
 from kvd.daemon.config import load_config, unknown_env
 from kvd.daemon.metrics_http import HEALTH_PATH, READY_PATH, parse_metrics_addr
-from kvd.daemon.sockets import EndpointError, prepare_runtime_dir
+from kvd.daemon.runtime_dir import prepare_runtime_dir
 from tests.kustomize import KustomizeError, merge, render
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"

@@ -12,14 +12,9 @@ import pytest
 import zmq
 
 from kvd.bench.cores import spawning_on
-from kvd.daemon.sockets import (
-    EndpointError,
-    RuntimeLock,
-    SocketReader,
-    bind,
-    normalize_endpoint,
-    write_endpoints,
-)
+from kvd.daemon.binding import EndpointError, bind, normalize_endpoint
+from kvd.daemon.reader import SocketReader
+from kvd.daemon.runtime_dir import RuntimeLock, write_endpoints
 from kvd.daemon_process import DaemonProcess
 from kvd.endpoints import Endpoints, default_runtime_dir, read_endpoints
 from tests.daemon_helpers import kvd, zmq_io_threads

@@ -36,6 +36,7 @@ from kvd.layout.geometry import TensorGeometry
 from kvd.progress import progress_bar
 from kvd.protocol import DTypeName
 from kvd.tables import format_table
+from kvd.torch_cuda import torch_cuda
 
 
 @dataclass(frozen=True)
@@ -272,7 +273,7 @@ def latency(args: argparse.Namespace, device: torch.device) -> list[LatencyRow]:
     post.warm_up(PRESETS["HND"], case.block_sizes(args.block_size)[1])
     src = torch.empty(SMALL_COPY_BYTES, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event = torch_cuda().Event()
 
     def timed(fn: Callable[[], object]) -> float:
         start = time.perf_counter()

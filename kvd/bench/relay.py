@@ -4,7 +4,7 @@ It does the least any daemon in kvd's place must do per notification: receive it
 ReadDone, encode a Ready and publish it with a topic and sequence number, in a blocking loop.
 Two flavours: ``api`` uses pyzmq's public API (``recv``, ``send_multipart``), the relay anyone
 would write; ``raw`` uses the compiled socket methods kvd itself uses on its hot path
-(``kvd.daemon.sockets.raw_recv``/``raw_send``), so that the ratio against it measures kvd's own
+(``kvd.daemon.zmq_io.raw_recv``/``raw_send``), so that the ratio against it measures kvd's own
 work.
 
 Run as ``python -m kvd.bench.relay {api|raw} INGEST EVENTS``; it prints ``ready`` once bound.
@@ -17,7 +17,7 @@ import sys
 import msgspec
 import zmq
 
-from kvd.daemon.sockets import raw_recv, raw_send
+from kvd.daemon.zmq_io import raw_recv, raw_send
 from kvd.protocol import ReadDone, Ready, encode_seq
 
 _MORE = int(zmq.SNDMORE)

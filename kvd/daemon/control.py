@@ -30,9 +30,9 @@ from kvd.daemon.ledger import State
 from kvd.daemon.logs import clipped
 from kvd.daemon.memory import AttachError
 from kvd.daemon.metrics import Metrics
+from kvd.daemon.peers import Connection, is_operator
 from kvd.daemon.pipeline import Pipeline
 from kvd.daemon.registry import AttachedCache, Owner, Registry
-from kvd.daemon.sockets import Connection, is_operator
 from kvd.daemon.timers import Every
 from kvd.protocol import (
     PROTOCOL_VERSION,

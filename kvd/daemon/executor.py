@@ -141,10 +141,6 @@ class Executor:
         self._thread = threading.Thread(target=self._run, name="kvd-executor", daemon=True)
         self._thread.start()
 
-    @property
-    def outstanding(self) -> int:
-        return len(self._jobs)
-
     def has_capacity(self) -> bool:
         return self.failed is None and len(self._jobs) < self.capacity
 

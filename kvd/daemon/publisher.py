@@ -26,7 +26,7 @@ import zmq
 
 from kvd.daemon.logs import clipped
 from kvd.daemon.metrics import Counter
-from kvd.daemon.sockets import raw_send
+from kvd.daemon.zmq_io import raw_send
 from kvd.protocol import END_SEQ, Event, Reason, Replay, ReplayEnd, encode_seq
 
 log = logging.getLogger(__name__)

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 from kvd.daemon.ledger import RemoteFormat
 from kvd.daemon.memory import AttachError, SharedSegment, Span
+from kvd.daemon.peers import Connection
 from kvd.daemon.routes import Rejection, Rewrite, Route, RouteKey, remember
-from kvd.daemon.sockets import Connection
 from kvd.layout.formats import has_heads, legacy_remote_format
 from kvd.layout.geometry import TensorGeometry
 from kvd.protocol import PageFormat, Reason, TensorSpec

@@ -30,7 +30,9 @@ import zmq
 from kvd import __version__
 from kvd.cpus import format_cpus
 from kvd.daemon import health
+from kvd.daemon.binding import EndpointError, bind, normalize_endpoint
 from kvd.daemon.config import Config
+from kvd.daemon.connection_guard import FD_RESERVE, HANDSHAKE_S, ConnectionGuard, raise_fd_limit
 from kvd.daemon.control import Control
 from kvd.daemon.executor import CudaExecutor, Executor, Job
 from kvd.daemon.journal import Journal, JournalError
@@ -38,24 +40,17 @@ from kvd.daemon.metrics import Metrics
 from kvd.daemon.metrics_http import HEALTH_PATH, READY_PATH, MetricsServer, parse_metrics_addr
 from kvd.daemon.pipeline import Pipeline
 from kvd.daemon.publisher import Publisher, ReplayServer, peer_queue
+from kvd.daemon.reader import SocketReader
 from kvd.daemon.registry import Registry
-from kvd.daemon.sdnotify import Notifier
-from kvd.daemon.sockets import (
-    FD_RESERVE,
-    HANDSHAKE_S,
-    ConnectionGuard,
-    EndpointError,
+from kvd.daemon.runtime_dir import (
     RuntimeLock,
-    SocketReader,
-    bind,
-    normalize_endpoint,
     prepare_runtime_dir,
-    raise_fd_limit,
     remove_runtime_files,
     write_endpoints,
-    yield_io_threads,
 )
+from kvd.daemon.sdnotify import Notifier
 from kvd.daemon.timers import Every
+from kvd.daemon.zmq_io import yield_io_threads
 from kvd.endpoints import Endpoints, default_runtime_dir
 
 log = logging.getLogger(__name__)
@@ -88,6 +83,8 @@ def parse_device(spec: str) -> str:
         return "cpu"
     import torch
 
+    from kvd.torch_cuda import torch_cuda
+
     if not torch.cuda.is_available():
         raise StartupError(f"device: {spec!r} was asked for, but CUDA is not available here")
     index = int(match[2]) if match[2] is not None else torch.cuda.current_device()
@@ -97,7 +94,7 @@ def parse_device(spec: str) -> str:
         )
     device = torch.device("cuda", index)
     torch.cuda.set_device(device)
-    torch.cuda.init()  # type: ignore[no-untyped-call]
+    torch_cuda().init()
     return str(device)
 
 

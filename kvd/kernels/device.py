@@ -26,6 +26,7 @@ import numpy.typing as npt
 import torch
 
 from kvd.kernels.faults import MarkerError
+from kvd.torch_cuda import ipc_handle, torch_cuda
 
 RING_SLOTS = 8
 """Slots of the block-id ring: launches whose ids are still being read, at most."""
@@ -110,7 +111,7 @@ class TorchCuda:
         torch.cuda.set_device(device)
 
     def new_stream(self, device: torch.device, priority: int) -> Any:
-        return torch.cuda.Stream(device=device, priority=priority)  # type: ignore[no-untyped-call]
+        return torch_cuda().Stream(device=device, priority=priority)
 
     @contextlib.contextmanager
     def use(self, device: torch.device, stream: Any) -> Iterator[None]:
@@ -121,16 +122,14 @@ class TorchCuda:
         torch.cuda.set_stream(stream)
 
     def new_event(self, *, blocking: bool = False, interprocess: bool = False) -> CudaEvent:
-        event: CudaEvent = torch.cuda.Event(blocking=blocking, interprocess=interprocess)  # type: ignore[no-untyped-call]
-        return event
+        return torch_cuda().Event(blocking=blocking, interprocess=interprocess)
 
     def ipc_handle(self, event: CudaEvent) -> bytes:
         assert isinstance(event, torch.cuda.Event)
-        return bytes(event.ipc_handle())  # type: ignore[no-untyped-call]
+        return ipc_handle(event)
 
     def open_ipc_event(self, handle: bytes, device: torch.device) -> CudaEvent:
-        event: CudaEvent = torch.cuda.Event.from_ipc_handle(device, handle)  # type: ignore[no-untyped-call]
-        return event
+        return torch_cuda().Event.from_ipc_handle(device, handle)
 
     def wait_event(self, stream: Any, event: CudaEvent) -> None:
         stream.wait_event(event)
@@ -158,8 +157,8 @@ class TorchCuda:
         return None
 
     def time_ms(self, fn: Callable[[], object], repeat: int) -> float | None:
-        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        start = torch_cuda().Event(enable_timing=True)
+        end = torch_cuda().Event(enable_timing=True)
         times: list[float] = []
         for _ in range(repeat):
             torch.cuda.current_stream().synchronize()
@@ -173,7 +172,7 @@ class TorchCuda:
     def capture(self, fn: Callable[[], object], device: torch.device) -> Callable[[], object]:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.device(device):
-            side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            side = torch_cuda().Stream(device)
             # "thread_local": kvd's other threads (the executor launching, the waiter
             # synchronizing) go on; only this thread must not do what a capture forbids.
             with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
