@@ -309,9 +309,21 @@ class _ClientCore(Generic[C, S]):
         return _Call(Ping(), Pong)
 
     def _call_attach(
-        self, cache_id: str, tensors: Sequence[TensorSpec], *, engine_id: str = ""
+        self,
+        cache_id: str,
+        tensors: Sequence[TensorSpec],
+        *,
+        engine_id: str = "",
+        release_with_process: bool = False,
     ) -> _Call[Attached]:
-        request = Attach(cache_id=cache_id, tensors=list(tensors), engine_id=engine_id)
+        """Attach a cache. ``release_with_process``: its memory dies with this process, so kvd
+        detaches it as soon as this process is gone (else after ``engine_lease_s``)."""
+        request = Attach(
+            cache_id=cache_id,
+            tensors=list(tensors),
+            engine_id=engine_id,
+            release_with_process=release_with_process,
+        )
         return _Call(
             request, Attached, self._attach_timeout, lambda: self._caches.ids.add(cache_id)
         )

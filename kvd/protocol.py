@@ -218,11 +218,17 @@ class Attach(_Message, tag="attach"):
     refused with ``cache_exists``. A cache is detached when its engine is gone: its control
     connection closed, or, once the engine sent a ``Heartbeat``, no Heartbeat came, for
     ``engine_lease_s``.
+
+    ``release_with_process``: the cache's memory dies with the process that attached it (vLLM's
+    KvdConnector allocates it in a /dev/shm file of the worker's own): once that connection
+    closed and its process no longer exists, the cache is detached at once rather than after
+    ``engine_lease_s``. A connection closed by a process still alive keeps the lease.
     """
 
     cache_id: CacheId
     tensors: list[TensorSpec]
     engine_id: EngineId = ""
+    release_with_process: bool = False
 
 
 class Detach(_Message, tag="detach"):

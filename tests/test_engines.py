@@ -28,7 +28,7 @@ import sys, time
 import torch
 from kvd.client import Client, ShmCache
 
-runtime_dir, cache_id, engine_id, shm_name, num_blocks = sys.argv[1:6]
+runtime_dir, cache_id, engine_id, shm_name, num_blocks, with_process = sys.argv[1:7]
 cache = ShmCache.create(
     num_layers=1, num_blocks=int(num_blocks), block_size=16, num_heads=4, head_dim=64,
     layout="NHD", name=shm_name,
@@ -37,7 +37,7 @@ torch.manual_seed(0)
 for t in cache.tensors:
     t.copy_(torch.randn(t.shape).to(t.dtype))
 client = Client(runtime_dir)
-client.attach(cache_id, cache.specs, engine_id=engine_id)
+client.attach(cache_id, cache.specs, engine_id=engine_id, release_with_process=with_process == "1")
 print("attached", flush=True)
 for line in sys.stdin:
     word, *rest = line.split()
@@ -49,6 +49,10 @@ for line in sys.stdin:
     elif word == "reattach":  # as a restarted engine would, from a new connection
         client = Client(runtime_dir)
         client.attach(cache_id, cache.specs, engine_id=engine_id)
+    elif word == "reconnect":  # the attaching connection closes; the process lives on
+        client.close()
+        client = Client(runtime_dir)
+        client.ping()
     print("done", flush=True)
 time.sleep(3600)
 """
@@ -67,10 +71,12 @@ class Engine:
         cache_id: str = "e0",
         engine_id: str = "engine-a",
         num_blocks: int = 64,
+        release_with_process: bool = False,
     ) -> None:
         self.shm_name = shm_name
         self.num_blocks = num_blocks
         args = [str(daemon.runtime_dir), cache_id, engine_id, shm_name, str(num_blocks)]
+        args.append("1" if release_with_process else "0")
         self.proc = subprocess.Popen(
             [sys.executable, str(script), *args],
             stdin=subprocess.PIPE,
@@ -211,6 +217,49 @@ def test_a_killed_engines_cache_is_detached_after_the_lease(
         assert "no caches attached" in status.stdout
         assert client.status().counters["leases_expired"] == 1
         assert sub.poll(0.5) is None, "one event per request"
+
+
+def test_a_cache_released_with_its_process_is_detached_once_the_process_is_killed(
+    script: Path, engines: list[Engine], short_tmp: Path
+) -> None:
+    # As ``vllm serve`` on SIGTERM: the worker is SIGKILLed, its /dev/shm cache goes with it.
+    with (
+        DaemonProcess(*WINDOWED, "--engine-lease-s", "600", runtime_dir=short_tmp) as d,
+        d.client() as client,
+    ):
+        engine = Engine(script, d, shm_name("with-process"), release_with_process=True)
+        engines.append(engine)
+        sub = subscribed(client, ["e0"])
+        sent = send_three(engine)
+        wait_for(lambda: accepted(client, sent), timeout=30)
+        engine.kill()
+        wait_for(lambda: "e0" not in caches(client), timeout=60)  # far below the 600 s lease
+        events = {d.event.req_id: d.event for d in collect(sub, 3)}
+        check_answers(engine, events, sent)
+        assert isinstance(events["full"], Ready), "launched at once, so it finished"
+        assert "pid" in events["wait-1"].message and "is gone" in events["wait-1"].message
+        assert client.status().counters["leases_expired"] == 1
+        assert sub.poll(0.5) is None, "one event per request"
+
+
+def test_a_process_alive_keeps_the_lease_when_its_connection_closes(
+    script: Path, engines: list[Engine], short_tmp: Path
+) -> None:
+    with (
+        DaemonProcess("--engine-lease-s", "600", runtime_dir=short_tmp) as d,
+        d.client() as client,
+    ):
+        engine = Engine(script, d, shm_name("reconnect"), release_with_process=True)
+        engines.append(engine)
+        engine.tell("reconnect")
+
+        def lease_started() -> bool:
+            (cache,) = client.status().caches
+            return cache.expires_in_s is not None
+
+        wait_for(lease_started, timeout=30)
+        (cache,) = client.status().caches
+        assert cache.expires_in_s is not None and cache.expires_in_s > 500, cache
 
 
 def test_a_restarted_engine_replaces_its_cache_without_waiting_for_the_lease(

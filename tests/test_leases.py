@@ -56,3 +56,18 @@ def test_no_lease_means_caches_stay_until_detached() -> None:
     assert leases.expired(1e9) == [] and leases.expires_in("c0", 1e9) is None
     with pytest.raises(ValueError, match="lease_s"):
         Leases(-1)
+
+
+def test_a_cache_released_with_its_process_expires_when_the_process_is_gone() -> None:
+    leases = Leases(30)
+    leases.attached("c0", "engine-a", with_process=True)
+    leases.attached("c1", "engine-b", with_process=True)
+    leases.attached("c2", "engine-c")
+    assert leases.connection_closed("c0", 100, process_gone=True)
+    assert leases.expires_in("c0", 100) == 0 and leases.expired(100) == ["c0"]
+    # Its process alive (a client that reconnected): the lease runs as for any other cache.
+    assert leases.connection_closed("c1", 100, process_gone=False)
+    assert leases.expires_in("c1", 100) == 30
+    # Not asked for: a gone process still gets the lease (its memory may outlive it).
+    assert leases.connection_closed("c2", 100, process_gone=True)
+    assert leases.expires_in("c2", 100) == 30

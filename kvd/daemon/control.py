@@ -211,7 +211,7 @@ class Control:
             return
         finally:
             self._opening.discard(cache_id)
-        self.leases.attached(cache_id, owner.engine_id)
+        self.leases.attached(cache_id, owner.engine_id, with_process=request.release_with_process)
         log.info(
             "attached cache %r%s: %d tensors, %d blocks of %d tokens, %.1f MiB",
             cache_id,
@@ -345,32 +345,43 @@ class Control:
             connection = cache.owner.connection if cache is not None else None
             if cache is None or connection is None or connection.is_open():
                 continue
-            if self.leases.connection_closed(cache_id, now):
-                log.warning(
-                    "cache %r: the control connection of %s closed; it is detached in %gs "
-                    "unless the engine comes back (Heartbeat or Attach)",
-                    cache_id,
-                    f"engine {cache.owner.engine_id!r}" if cache.owner.engine_id else "its engine",
-                    lease_s,
-                )
+            gone = connection.process_gone()
+            if self.leases.connection_closed(cache_id, now, process_gone=gone):
+                engine = _engine_name(cache)
+                if self.leases.expires_in(cache_id, now) == 0:
+                    log.warning(
+                        "cache %r: %s closed its control connection and its process (pid %s) "
+                        "is gone, with the cache's memory: detaching it now",
+                        cache_id,
+                        engine,
+                        connection.pid,
+                    )
+                else:
+                    log.warning(
+                        "cache %r: the control connection of %s closed; it is detached in %gs "
+                        "unless the engine comes back (Heartbeat or Attach)",
+                        cache_id,
+                        engine,
+                        lease_s,
+                    )
         for cache_id in self.leases.expired(now):
             cache = self._registry.get(cache_id)
             self.leases.detached(cache_id)
             if cache is None or cache.detaching is not None:
                 continue
             self._metrics.leases_expired.value += 1
-            engine = f"engine {cache.owner.engine_id!r}" if cache.owner.engine_id else "its engine"
-            log.warning(
-                "cache %r: %s is gone (lease of %gs ran out): detaching it",
-                cache_id,
-                engine,
-                lease_s,
-            )
+            engine = _engine_name(cache)
+            connection = cache.owner.connection
+            if connection is not None and connection.process_gone():
+                why = f"its process (pid {connection.pid}) is gone"
+            else:
+                why = f"no connection or heartbeat for {lease_s:g}s"
+            log.warning("cache %r: %s is gone (%s): detaching it", cache_id, engine, why)
             self._spawn(
                 self._detach_when_answered(
                     cache,
-                    f"{engine} is gone (no connection or heartbeat for {lease_s:g}s): cache "
-                    f"{cache_id!r} was detached before these requests were started",
+                    f"{engine} is gone ({why}): cache {cache_id!r} was detached before these "
+                    "requests were started",
                 )
             )
 
@@ -489,3 +500,7 @@ def _open_cache(request: Attach, device: str, owner: Owner) -> AttachedCache:
     from kvd.daemon.attach import open_cache
 
     return open_cache(request, device, owner)
+
+
+def _engine_name(cache: AttachedCache) -> str:
+    return f"engine {cache.owner.engine_id!r}" if cache.owner.engine_id else "its engine"

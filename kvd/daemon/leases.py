@@ -5,8 +5,10 @@ An engine holds its caches while the control connection that attached them is op
 finds that connection closed, the caches have ``lease_s`` left: the engine may come back within
 it (a Heartbeat naming its engine id, or an Attach that replaces the cache), else they expire.
 An engine that has sent a Heartbeat holds its caches by heartbeats instead, whatever its
-connection: each renews them for ``lease_s``. ``lease_s`` 0 turns all this off: caches stay
-until detached.
+connection: each renews them for ``lease_s``. A cache attached ``with_process`` (its memory dies
+with the attaching process) expires as soon as its connection closed and that process is gone:
+no engine comes back to memory that no longer exists. ``lease_s`` 0 turns all this off: caches
+stay until detached.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ class Lease:
     engine_id: str
     heartbeats: bool = False
     """The engine sent a Heartbeat: from then on only heartbeats hold its caches."""
+    with_process: bool = False
+    """The cache's memory dies with the attaching process (Attach.release_with_process)."""
     expires_s: float | None = None
     """When the cache expires; None while its engine's connection holds it."""
 
@@ -33,9 +37,9 @@ class Leases:
     def __contains__(self, cache_id: str) -> bool:
         return cache_id in self._leases
 
-    def attached(self, cache_id: str, engine_id: str) -> None:
+    def attached(self, cache_id: str, engine_id: str, *, with_process: bool = False) -> None:
         """A cache was attached (or replaced): its connection holds it."""
-        self._leases[cache_id] = Lease(engine_id)
+        self._leases[cache_id] = Lease(engine_id, with_process=with_process)
 
     def detached(self, cache_id: str) -> None:
         self._leases.pop(cache_id, None)
@@ -50,10 +54,17 @@ class Leases:
                 renewed.append(cache_id)
         return renewed
 
-    def connection_closed(self, cache_id: str, now_s: float) -> bool:
-        """The connection that holds ``cache_id`` closed; True when this starts its lease."""
+    def connection_closed(self, cache_id: str, now_s: float, *, process_gone: bool = False) -> bool:
+        """The connection that holds ``cache_id`` closed (``process_gone``: and the process
+        that made it no longer exists); True when this starts its lease, which has no time
+        left for a cache attached ``with_process`` whose process is gone."""
         lease = self._leases.get(cache_id)
-        if lease is None or lease.heartbeats or lease.expires_s is not None or not self.lease_s:
+        if lease is None or lease.expires_s is not None or not self.lease_s:
+            return False
+        if lease.with_process and process_gone:
+            lease.expires_s = now_s
+            return True
+        if lease.heartbeats:
             return False
         lease.expires_s = now_s + self.lease_s
         return True

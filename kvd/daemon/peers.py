@@ -7,29 +7,51 @@ import os
 import socket
 import struct
 from dataclasses import dataclass
+from pathlib import Path
 
 import zmq
 
 _UCRED = struct.Struct("3i")
 
 
-def peer_uid(frame: zmq.Frame) -> int | None:
-    """The uid of the process that sent ``frame`` over an ipc socket (None over TCP)."""
+def _peer_credentials(fd: int) -> tuple[int, int] | None:
+    """(pid, uid) of the process at the other end of the ipc socket ``fd`` when it connected
+    (None over TCP, or for a descriptor that is not a socket)."""
     try:
-        fd = frame.get(zmq.SRCFD)
         peer = socket.socket(fileno=os.dup(fd))
-    except (zmq.ZMQError, OSError):
+    except OSError:
         return None
     try:
-        uid: int
-        _, uid, _ = _UCRED.unpack(
+        pid, uid, _ = _UCRED.unpack(
             peer.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
         )
     except OSError:
         return None
     finally:
         peer.close()
-    return uid
+    # Not a Unix socket: the kernel answers zeros (pid 0 is no process).
+    return (pid, uid) if pid > 0 else None
+
+
+def peer_uid(frame: zmq.Frame) -> int | None:
+    """The uid of the process that sent ``frame`` over an ipc socket (None over TCP)."""
+    try:
+        fd = int(frame.get(zmq.SRCFD))
+    except (zmq.ZMQError, ValueError):
+        return None
+    credentials = _peer_credentials(fd)
+    return credentials[1] if credentials is not None else None
+
+
+def process_exists(pid: int) -> bool:
+    """Whether process ``pid`` still runs: not gone, and not a zombie (killed, not yet reaped
+    by its parent: its memory is already released)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    # The state follows the command name, which is in parentheses and may hold any character.
+    return stat[stat.rfind(")") + 2 : stat.rfind(")") + 3] not in ("Z", "X")
 
 
 def is_operator(frame: zmq.Frame) -> tuple[bool, int | None]:
@@ -46,6 +68,8 @@ class Connection:
 
     fd: int
     identity: tuple[int, int]
+    pid: int | None = None
+    """The process that connected (ipc only)."""
 
     @classmethod
     def of(cls, frame: zmq.Frame) -> Connection | None:
@@ -55,7 +79,12 @@ class Connection:
             st = os.fstat(fd)
         except (zmq.ZMQError, OSError, ValueError):
             return None
-        return cls(fd, (st.st_dev, st.st_ino))
+        credentials = _peer_credentials(fd)
+        return cls(fd, (st.st_dev, st.st_ino), credentials[0] if credentials else None)
+
+    def process_gone(self) -> bool:
+        """True only when the process that connected is known and no longer exists."""
+        return self.pid is not None and not process_exists(self.pid)
 
     def is_open(self) -> bool:
         """False once ZMQ closed it (its peer went away). Only reads the descriptor's identity."""

@@ -301,7 +301,11 @@ class KvdLink:
         # Mapping a large cache takes a while (kvd fills in its page tables): a longer wait.
         timeout, self.client.timeout = self.client.timeout, a.timeout_s
         try:
-            self.client.attach(a.cache_id, a.specs, engine_id=a.engine_id)
+            # The cache is this process's /dev/shm file (or its GPU memory): when the process is
+            # killed (``vllm serve`` SIGKILLs its worker on SIGTERM), kvd releases it at once.
+            self.client.attach(
+                a.cache_id, a.specs, engine_id=a.engine_id, release_with_process=True
+            )
         finally:
             self.client.timeout = timeout
         if self._events is not None:
