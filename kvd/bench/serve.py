@@ -106,7 +106,7 @@ class Server:
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + START_S
-        while not _healthy(self.url):
+        while not healthy(self.url):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.kill()
                 raise RuntimeError(f"{self.name} did not start:\n{self.tail()}")
@@ -152,7 +152,8 @@ def _process_tree(root: int) -> list[tuple[str, int]]:
     return out
 
 
-def _healthy(url: str) -> bool:
+def healthy(url: str) -> bool:
+    """Whether the server at ``url`` answers its ``/health`` with 200 now."""
     try:
         with urllib.request.urlopen(url + "/health", timeout=5) as r:
             return bool(r.status == 200)
@@ -290,7 +291,7 @@ def _proxy(work: Path, prefill: str, decode: str) -> Iterator[tuple[str, Path]]:
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
-        while not _healthy(url):
+        while not healthy(url):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("the proxy did not start: " + (work / "proxy.log").read_text())
             time.sleep(0.2)

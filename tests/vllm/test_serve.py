@@ -28,7 +28,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm is not installed (pip install -e '.[vllm]')")
 
-from kvd.bench.serve import Server, check_prompts, completion_text, greedy_check
+from kvd.bench.serve import Server, check_prompts, completion_text, greedy_check, healthy
 from kvd.bench.vllm_engine import make_model, make_tokenizer
 from kvd.client import Client
 
@@ -47,12 +47,6 @@ def section(name: str) -> str:
     text = README.read_text()
     body = text.split(f"--8<-- [start:{name}] -->", 1)[1].split(f"--8<-- [end:{name}]", 1)[0]
     return body.split("```sh\n", 1)[1].split("```", 1)[0]
-
-
-def healthy(url: str) -> bool:
-    with contextlib.suppress(OSError), urllib.request.urlopen(url + "/health", timeout=5) as r:
-        return bool(r.status == 200)
-    return False
 
 
 @pytest.fixture(scope="module")
@@ -155,3 +149,41 @@ def test_a_stock_decode_decodes_other_text(recipe: Path, model: Path, stock: Ser
     finally:
         switch("http://127.0.0.1:8200")
     assert check["equal"] < check["of"], "stock vLLM's CPU merge decoded the single text"
+
+
+def test_last_a_decode_server_stopped_with_sigterm_releases_its_kvd_cache(recipe: Path) -> None:
+    """Last in this module: it stops the recipe's decode server. ``vllm serve`` SIGKILLs its
+    worker on SIGTERM, so the connector's detach never runs; kvd sees the worker gone and
+    releases the cache within a second, not after ``engine_lease_s`` (30 s)."""
+    with Client(recipe) as kvd:
+        assert kvd.status().caches, "the decode attached no cache to kvd"
+        os.kill(_listening(8200), signal.SIGTERM)
+        deadline = time.monotonic() + 20  # the lease is 30 s
+        while kvd.status().caches:
+            assert time.monotonic() < deadline, kvd.status().caches
+            time.sleep(0.2)
+
+
+def _listening(port: int) -> int:
+    """The process that listens on ``port`` (the eldest of those holding the socket: a server's
+    children may inherit it)."""
+    inodes = {
+        fields[9]
+        for line in Path("/proc/net/tcp").read_text().splitlines()[1:]
+        if (fields := line.split())[1].endswith(f":{port:04X}") and fields[3] == "0A"
+    }
+    holders = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            links = {os.readlink(fd) for fd in (proc / "fd").iterdir()}
+            if any(f"socket:[{inode}]" in links for inode in inodes):
+                holders.add(int(proc.name))
+    parents = {
+        pid: int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        for pid in holders
+    }
+    eldest = [pid for pid, parent in parents.items() if parent not in holders]
+    assert len(eldest) == 1, f"port {port}: listening processes {sorted(holders)}"
+    return eldest[0]
