@@ -101,6 +101,10 @@ def test_groups_split_the_blocks_as_evenly_as_they_can() -> None:
         (["--groups", "0"], "argument --groups: expected 1 or more, got 0"),
         (["--blocks", "4", "--groups", "5"], "--groups must be in [1, --blocks] (4)"),
         (["--groups", "2", "--soak", "100"], "--groups is for the relay comparison, not --soak"),
+        (
+            ["--groups", "2", "--windows", "0,100", "--transform", "layout"],
+            "--groups is for the relay comparison, not --windows",
+        ),
     ],
 )
 def test_groups_that_cannot_work_are_usage_errors(flags: list[str], says: str) -> None:
