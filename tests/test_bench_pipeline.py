@@ -70,6 +70,49 @@ def test_layout_reports_the_kernel_time_beside_the_latency() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("transform", ["none", "layout"])
+def test_groups_split_each_notification_across_kv_cache_groups(transform: str) -> None:
+    """``--groups 2``: every ReadDone is a v2 one with two groups of the 4 blocks; kvd answers
+    each with a Ready (a missing event fails the run, a Failed one counts in ``failed``)."""
+    done = kvd(
+        *TINY, "--transform", transform, "--blocks", "4", "--groups", "2", "--json", timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["groups"] == 2 and report["blocks_per_notification"] == 4
+    assert all(f["failed"] == 0 for f in report["figures"].values()), report["figures"]
+    assert report["figures"]["kvd"]["throughput"] > 0
+    if transform == "layout":
+        assert report["figures"]["kvd"]["kernel_us"] > 0, "the groups were rewritten"
+
+
+def test_groups_split_the_blocks_as_evenly_as_they_can() -> None:
+    from kvd.bench.pipeline import group_split
+
+    assert group_split(16, 1) == (), "one group: a plain v1 ReadDone"
+    assert group_split(16, 2) == ((8, 0), (8, 0))
+    assert group_split(16, 3) == ((6, 0), (5, 0), (5, 0))
+    assert group_split(2, 2) == ((1, 0), (1, 0))
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--groups", "0"], "argument --groups: expected 1 or more, got 0"),
+        (["--blocks", "4", "--groups", "5"], "--groups must be in [1, --blocks] (4)"),
+        (["--groups", "2", "--soak", "100"], "--groups is for the relay comparison, not --soak"),
+        (
+            ["--groups", "2", "--windows", "0,100", "--transform", "layout"],
+            "--groups is for the relay comparison, not --windows",
+        ),
+    ],
+)
+def test_groups_that_cannot_work_are_usage_errors(flags: list[str], says: str) -> None:
+    done = kvd("bench", "pipeline", *flags, timeout=60)
+    assert done.returncode == 2 and says in done.stderr, done.stderr
+
+
+@pytest.mark.slow
 def test_soak_prints_the_rss_after_the_warm_up_and_at_the_end() -> None:
     done = kvd("bench", "pipeline", "--soak", "3000", "--soak-warmup", "1000", "--json")
     assert done.returncode == 0, done.stderr

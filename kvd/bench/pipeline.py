@@ -5,6 +5,12 @@ events socket). The cache is NHD and the notifications say NHD, so the transform
 the figures are the pipeline's own cost. Rounds alternate between the targets; each figure is
 the median over rounds, each ratio the median of the per-round ratios.
 
+``--groups N`` makes it a hybrid model's cache: every ReadDone (protocol v2) splits its blocks
+across N KV cache groups, the same total per notification, so the figures at N groups against
+those at 1 are the cost of the extra groups. The groups draw their blocks from one pool and
+share the cache's tensors, as vLLM's hybrid groups do, so the cache attached is the same one;
+the relays get the same notifications and do no work, as without groups.
+
 ``drive`` runs a request mix (closed loop at a concurrency, or open loop at a rate) against one
 target and times every notification; ``kvd tune`` uses it with real transforms.
 """
@@ -157,9 +163,23 @@ def _windows(args: argparse.Namespace) -> int:
     return int(args.rounds * (args.messages + args.latency_samples) + 200)
 
 
-def _messages(prefix: str, blocks: int, transform: str, windows: int) -> Callable[[str], bytes]:
+def group_split(blocks: int, groups: int) -> tuple[tuple[int, int], ...]:
+    """``read_done_message``'s ``groups`` for ``blocks`` blocks in ``groups`` KV cache groups:
+    (blocks, covered_sub_blocks) each, sizes as even as possible (earlier groups one larger),
+    every group wholly landed (coverage 0); empty for one group, a plain v1 ReadDone.
+    Requires ``1 <= groups <= blocks`` (no group without a block)."""
+    if groups == 1:
+        return ()
+    size, extra = divmod(blocks, groups)
+    return tuple((size + (g < extra), 0) for g in range(groups))
+
+
+def _messages(
+    prefix: str, blocks: int, transform: str, windows: int, groups: int = 1
+) -> Callable[[str], bytes]:
     counter = iter(range(1 << 62))
     layout: Layout = "HND" if transform == "layout" else "NHD"
+    split = group_split(blocks, groups)
 
     def make(tag: str) -> bytes:
         n = next(counter)
@@ -168,6 +188,7 @@ def _messages(prefix: str, blocks: int, transform: str, windows: int) -> Callabl
             f"{prefix}-{tag}-{n}",
             CACHE_ID,
             list(range(first, first + blocks)),
+            groups=split,
             remote_layout=layout,
             block_size_ratio=1,
         )
@@ -501,6 +522,18 @@ def run(args: argparse.Namespace) -> int:
     if args.transform == "merge":
         print("kvd bench pipeline: --transform merge is for --windows", file=sys.stderr)
         return 2
+    if args.groups != 1 and args.soak:
+        print(
+            "kvd bench pipeline: --groups is for the relay comparison, not --soak", file=sys.stderr
+        )
+        return 2
+    if not 1 <= args.groups <= args.blocks:
+        print(
+            f"kvd bench pipeline: --groups must be in [1, --blocks] ({args.blocks}): every group "
+            f"needs a block of each notification, got {args.groups}",
+            file=sys.stderr,
+        )
+        return 2
     if args.soak:
         return soak(args)
     if args.messages is None:
@@ -585,7 +618,10 @@ def run(args: argparse.Namespace) -> int:
         endpoints = daemon.endpoints()
         assert daemon.proc is not None
         targets["kvd"] = Target(ctx, endpoints.ingest, endpoints.events, pid=daemon.proc.pid)
-        makers = {name: _messages(name, args.blocks, args.transform, windows) for name in targets}
+        makers = {
+            name: _messages(name, args.blocks, args.transform, windows, args.groups)
+            for name in targets
+        }
         for name, target in targets.items():
             target.warm_up(makers[name])
         # The bar moves between measurements only, never inside a timed loop.
@@ -684,6 +720,7 @@ def _report(
         "messages": args.messages,
         "latency_samples": args.latency_samples,
         "blocks_per_notification": args.blocks,
+        "groups": args.groups,
         "transform": args.transform,
         "batch_window_us": window,
         "daemon_cpus": format_cpus(placed.daemon) if placed.daemon else None,
@@ -738,7 +775,8 @@ def _table(report: dict[str, Any]) -> str:
     lines = [
         f"kvd bench pipeline: {report['rounds']} rounds, {report['messages']} notifications "
         f"per throughput run, {report['latency_samples']} latency samples, "
-        f"{report['blocks_per_notification']} blocks each, transform {report['transform']}, "
+        f"{report['blocks_per_notification']} blocks each in {report['groups']} KV cache "
+        f"group{'s' if report['groups'] > 1 else ''}, transform {report['transform']}, "
         f"batch window {report['batch_window_us']} us; " + _placement_line(report),
         "",
         *format_table(rows, right=range(1, 6)),

@@ -75,6 +75,8 @@ def _check(args: argparse.Namespace) -> tuple[list[BatchWindow], list[Load]]:
         raise WindowsError("--windows needs --transform layout or merge (none has no work)")
     if args.rounds < 1 or args.blocks < 1:
         raise WindowsError("--rounds and --blocks must be at least 1")
+    if args.groups != 1:
+        raise WindowsError("--groups is for the relay comparison, not --windows")
     return windows, loads
 
 

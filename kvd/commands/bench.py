@@ -53,6 +53,18 @@ def add(commands: Any) -> None:
         "--blocks", type=int, default=16, help="block ids per notification (default: %(default)s)"
     )
     pipeline.add_argument(
+        "--groups",
+        type=positive,
+        default=1,
+        metavar="N",
+        help=(
+            "KV cache groups of a hybrid model (sliding-window + full attention, say): each "
+            "ReadDone (protocol v2) splits its --blocks across N groups, the same total per "
+            "notification, so the figures compare with N=1's; 1 to --blocks, with --transform "
+            "none or layout (default: %(default)s)"
+        ),
+    )
+    pipeline.add_argument(
         "--transform",
         choices=["none", "layout", "merge"],
         default="none",
