@@ -60,7 +60,7 @@ from kvd.client import (
 from kvd.cpus import CpuListError, format_cpus
 from kvd.dtypes import dtype_name
 from kvd.protocol import CACHE_ID_MAX, Event, MemoryRef, ShmRef, TensorSpec
-from kvd.vllm.formats import UnknownFormat, page_format, remote_page_format
+from kvd.vllm.formats import UnknownFormat, landed_format, page_format, remote_page_format
 from kvd.vllm.groups import GroupError, distinct_regions, request_groups, transfer_groups
 from kvd.vllm.holding import Held, Holding, Released, covered_sub_blocks
 from kvd.vllm.hooks import (
@@ -336,14 +336,23 @@ class KvdWorker(NixlPullConnectorWorker):
         return ShmRef(name=self.allocation.name, offset=self.allocation.offset_of(tensor))
 
     def add_remote_agent(self, nixl_agent_meta: Any, *args: Any, **kwargs: Any) -> str:
-        """Learn a prefill engine's page format at its handshake; refuse one kvd does not know."""
+        """Learn a prefill engine's page format at its handshake; refuse one kvd does not know.
+
+        vLLM calls this once per remote rank, with (remote_tp_rank, remote_tp_size, ...). At
+        another TP size the format kvd is told is that of what the READs land
+        (``landed_format``): this rank's heads, from one or several remote ranks."""
+        remote_tp_size = int(args[1] if len(args) > 1 else kwargs.get("remote_tp_size", 1))
         try:
-            fmt = remote_page_format(
-                nixl_agent_meta.attn_backend_name,
-                nixl_agent_meta.kv_cache_layout,
-                local=self._local_format,
-                local_isa=self._isa,
-                kv_cache_dtype=str(self.vllm_config.cache_config.cache_dtype),
+            fmt = landed_format(
+                remote_page_format(
+                    nixl_agent_meta.attn_backend_name,
+                    nixl_agent_meta.kv_cache_layout,
+                    local=self._local_format,
+                    local_isa=self._isa,
+                    kv_cache_dtype=str(self.vllm_config.cache_config.cache_dtype),
+                ),
+                local_tp=int(self.transfer_topo.tp_size),
+                remote_tp=remote_tp_size,
             )
         except UnknownFormat as exc:
             raise KvdConnectorError(
