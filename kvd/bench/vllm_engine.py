@@ -274,6 +274,10 @@ def make_llm(config: dict[str, Any]) -> Any:
         seed=0,
         enable_prefix_caching=False,
         kv_transfer_config=transfer,
+        # At TP > 1 vLLM's CPU worker runs a process per rank ("mp"): NIXL registers each
+        # rank's cache on its own, and a decode rank reads its heads from the prefill's ranks.
+        tensor_parallel_size=config.get("tensor_parallel_size", 1),
+        distributed_executor_backend="mp" if config.get("tensor_parallel_size", 1) > 1 else None,
         # vLLM picks the CPU backend; a config names one where it must be pinned (CPU_MLA
         # for a float32 MLA model on a CPU with AMX, where vLLM would pick AMX_MLA, bf16 only).
         attention_config={"backend": config["attention_backend"]}
