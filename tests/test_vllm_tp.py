@@ -18,6 +18,7 @@ format, by torch for the GPU ones). Skipped when vLLM (the CPU build) is not imp
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import warnings
 import zlib
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from kvd.layout.geometry import tensor_geometry
 from kvd.protocol import ShmRef, TensorSpec
 from kvd.vllm.formats import CPU_ATTN_VEC_ISAS, TpLayoutError, landed_format
 from kvd.vllm.holding import covered_sub_blocks
+from kvd.vllm.tp import split_sub_blocks
 
 HEAD_DIM = 64  # vLLM's CPU kernel ("vec") takes head sizes that are multiples of 32
 LAYERS = 2
@@ -175,26 +177,21 @@ def agent_metadata(vllm: SimpleNamespace, remote: Side, layout: str) -> Any:
 
 
 def local_splits(
-    worker: Any, plan: Any, descs: np.ndarray, ratio: int, *, lift: bool
+    vllm: SimpleNamespace, worker: Any, plan: Any, descs: np.ndarray, ratio: int, *, lift: bool
 ) -> list[np.ndarray]:
     """The local descriptors each source rank's READ writes (prefill TP > decode TP).
 
-    vLLM refuses this with differing block sizes (an assert); with ``lift`` its split is
-    applied to the sub-block descriptors it builds for the remote block size, as blocks of
-    their own: what its descriptors would say without the refusal."""
-    if ratio == 1 or not lift:
-        return [
-            np.asarray(h)
-            for h in worker._build_local_splits_from_plan(plan, descs, len(descs), ratio)
-        ]
-    blocks = worker.region_num_blocks
-    worker.region_num_blocks = [n * ratio for n in blocks]
-    try:
-        return [
-            np.asarray(h) for h in worker._build_local_splits_from_plan(plan, descs, len(descs), 1)
-        ]
-    finally:
-        worker.region_num_blocks = blocks
+    vLLM refuses this with differing block sizes (an assert); with ``lift``, kvd's connector
+    lifts it (``kvd.vllm.tp.split_sub_blocks``: vLLM's split applied to the sub-block
+    descriptors it builds for the remote block size, as blocks of their own)."""
+    split = vllm.worker._build_local_splits_from_plan
+    if ratio > 1 and lift:
+        handles = split_sub_blocks(
+            worker, split, plan=plan, src_blocks_data=descs, num_fa_descs=len(descs), ratio=ratio
+        )
+    else:
+        handles = list(split(worker, plan, descs, len(descs), ratio))
+    return [np.asarray(h) for h in handles]
 
 
 def read(
@@ -217,7 +214,7 @@ def read(
     tp_ratio = worker.transfer_topo.tp_ratio(remote_tp)
     local_descs = worker._build_fa_local([t.data_ptr() for t in local.layers], ratio)
     if tp_ratio < 0:
-        sides = local_splits(worker, plan, local_descs, ratio, lift=lift)
+        sides = local_splits(vllm, worker, plan, local_descs, ratio, lift=lift)
     else:
         sides = [local_descs] * len(plan.all_source_ranks)
     assert len(sides) == len(plan.all_source_ranks)
@@ -413,3 +410,62 @@ def test_a_remote_format_whose_head_slices_are_not_pages_is_refused_by_name() ->
         landed_format("LBHNC", local_tp=0, remote_tp=2)
     with pytest.raises(TpLayoutError, match="remote_tp: 3 and local_tp: 2"):
         landed_format("LBHNC", local_tp=2, remote_tp=3)
+
+
+def handshake_worker(vllm: SimpleNamespace, cls: type, local: Side, remote: Side, heads: int):
+    """A worker of ``cls`` as vLLM's handshake check reads it, the prefill engine registered."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import EngineTransferInfo
+
+    worker = vllm_worker(vllm, local, heads)
+    worker.__class__ = cls
+    worker.transfer_topo.register_remote_engine(
+        "prefill",
+        EngineTransferInfo(
+            remote_tp_size=remote.tp_size,
+            remote_block_len=remote.page_bytes,
+            remote_block_size=remote.block_size,
+            remote_physical_blocks_per_logical=1,
+        ),
+    )
+    worker.dcp_size = 1
+    worker.dst_region_group_ids = {"prefill": [0] * LAYERS}
+    worker._physical_blocks_per_logical_kv_block = 1
+    worker.use_host_buffer = False
+    worker.kv_cache_layout = "LBHNC"
+    worker.kv_transfer_config = SimpleNamespace(enable_permute_local_kv=False)
+    worker.enable_permute_local_kv = False
+    worker.backend_name = "CPU_ATTN"
+    worker._is_hma_required = False
+    worker.dst_num_blocks = {"prefill": remote.num_blocks}
+    return worker
+
+
+@pytest.mark.parametrize("heads", [2, 4])
+def test_kvd_lets_through_what_vllm_refuses_at_the_handshake_and_nothing_else(
+    vllm, heads: int
+) -> None:
+    """Prefill TP 2 at 32 -> decode TP 1 at 64: vLLM's own check refuses it; kvd's override
+    runs vLLM's checks on the pages the sub-blocks fill, so a prefill page of another length
+    (here: of the other head count) is still refused."""
+    from kvd.vllm.connector import KvdWorker
+
+    def side(tp: int, rank: int, block_size: int, page_heads: int) -> Side:
+        return Side(rank, tp, block_size, [torch.zeros(4, page_heads, block_size, 2 * HEAD_DIM)])
+
+    local = side(1, 0, 64, heads)
+    remote = side(2, 0, 32, heads // 2)
+    meta = agent_metadata(vllm, remote, "LBHNC")
+    meta.kv_caches_base_addr = meta.kv_caches_base_addr[:1] * LAYERS
+    meta.block_lens = meta.block_lens[:1] * LAYERS
+    meta.block_strides = meta.block_strides[:1] * LAYERS
+    stock = handshake_worker(vllm, vllm.worker, local, remote, heads)
+    with pytest.raises(AssertionError, match="not supported when P TP > D TP"):
+        stock._validate_remote_agent_handshake(meta, 2)
+    handshake_worker(vllm, KvdWorker, local, remote, heads)._validate_remote_agent_handshake(
+        meta, 2
+    )
+    wrong = dataclasses.replace(meta, block_lens=[n * 2 for n in meta.block_lens])
+    with pytest.raises(AssertionError, match="SPLIT region 0"):
+        handshake_worker(vllm, KvdWorker, local, remote, heads)._validate_remote_agent_handshake(
+            wrong, 2
+        )

@@ -84,6 +84,7 @@ from kvd.vllm.link import (
 from kvd.vllm.shm import ShmAllocation
 from kvd.vllm.split import SplitError, plan_split_read, split_remote_pages
 from kvd.vllm.stats import HandoffStats
+from kvd.vllm.tp import as_equal_blocks, lifts, split_sub_blocks
 
 if TYPE_CHECKING:
     from kvd.cudaipc import HandOffMarkers
@@ -381,6 +382,34 @@ class KvdWorker(NixlPullConnectorWorker):
             self._splits[engine_id] = split
         self._remotes[engine_id] = (fmt, block_size)
         return result
+
+    def _validate_remote_agent_handshake(
+        self, nixl_agent_meta: Any, remote_tp_size: int, *args: Any, **kwargs: Any
+    ) -> None:
+        """vLLM's checks, with prefill TP above this rank's and smaller prefill blocks let
+        through (``kvd.vllm.tp``): checked as the equal-block pages they fill."""
+        ratio = lifts(self, remote_tp_size, nixl_agent_meta.block_size)
+        if ratio:
+            nixl_agent_meta = as_equal_blocks(nixl_agent_meta, ratio)
+        super()._validate_remote_agent_handshake(nixl_agent_meta, remote_tp_size, *args, **kwargs)
+
+    def _build_local_splits_from_plan(
+        self, plan: Any, src_blocks_data: Any, num_fa_descs: int, block_size_ratio: int = 1
+    ) -> Iterator[list[tuple[int, int, int]]]:
+        """vLLM's split per source rank; at smaller prefill blocks, of the sub-blocks
+        (``kvd.vllm.tp``), which vLLM refuses."""
+        split = NixlPullConnectorWorker._build_local_splits_from_plan
+        if block_size_ratio > 1 and not self.use_mla and not getattr(self, "_has_mamba", False):
+            yield from split_sub_blocks(
+                self,
+                split,
+                plan=plan,
+                src_blocks_data=src_blocks_data,
+                num_fa_descs=num_fa_descs,
+                ratio=block_size_ratio,
+            )
+            return
+        yield from split(self, plan, src_blocks_data, num_fa_descs, block_size_ratio)
 
     def _read_blocks(
         self, read_spec: Any, dst_engine_id: str, request_id: str, **kwargs: Any
