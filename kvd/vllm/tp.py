@@ -13,7 +13,9 @@ at the remote block size, as at equal TP, and kvd rewrites it like any other
 (``kvd.vllm.formats.landed_format``; ``tests/test_vllm_tp.py`` checks the bytes).
 
 Only attention caches are lifted: MLA is replicated (read whole, never split), and Mamba state
-is sharded differently; both keep vLLM's refusal.
+is sharded differently; both keep vLLM's refusal. So does a vLLM whose worker lacks what this
+reads or overrides (``KvdWorker._validate_remote_agent_handshake``,
+``_build_local_splits_from_plan``): the pair is then refused at the handshake and recomputed.
 """
 
 from __future__ import annotations
@@ -34,7 +36,10 @@ def lifts(worker: Any, remote_tp_size: int, remote_block_size: int) -> int:
         return 0
     if local_block % remote_block_size:
         return 0
-    if worker.use_mla or getattr(worker, "_has_mamba", False) or worker.use_host_buffer:
+    # An attribute this vLLM lacks keeps its refusal.
+    if getattr(worker, "use_mla", True) or getattr(worker, "_has_mamba", True):
+        return 0
+    if getattr(worker, "use_host_buffer", True):
         return 0
     return local_block // remote_block_size
 
