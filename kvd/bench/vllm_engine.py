@@ -377,6 +377,8 @@ def decode(config: dict[str, Any]) -> None:
     result: dict[str, Any] = {"startup_s": time.monotonic() - config["launched"]}
     if config.get("timed"):
         _warm_up(llm, server, config.get("max_num_seqs", 8))
+    elif config.get("handshake_first"):
+        _handshake(llm, server)
     for mode in config.get("modes", ["batch"]):
         if mode == "batch":
             result["decode"] = _batch(llm, server, config)
@@ -425,6 +427,20 @@ def _warm_up(llm: Any, server: _PrefillServer, most: int) -> None:
     from kvd.bench.vllm_connectors import take_timings
 
     llm.collective_rpc(take_timings)
+
+
+def _handshake(llm: Any, server: _PrefillServer) -> None:
+    """One request read from the prefill instance, its tokens dropped: vLLM's NIXL handshake
+    runs on the first request that reads from a prefill engine and waits 5 s (hard-coded) for
+    its answer, which a busy 2-core machine missed while a TP 2 decode's workers were still
+    attaching their caches to kvd; a failed handshake is tried again on the next request."""
+    from vllm import TokensPrompt
+
+    (tokens,) = prompts((40,), seed=5)
+    (params,) = server.transfer_params([tokens])
+    llm.generate(
+        [TokensPrompt(prompt_token_ids=tokens)], [sampling(1, params, None)], use_tqdm=False
+    )
 
 
 def _batch(llm: Any, server: _PrefillServer, config: dict[str, Any]) -> list[dict[str, Any]]:
