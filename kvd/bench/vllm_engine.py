@@ -239,6 +239,23 @@ def without_nixl_progress_thread() -> None:
     )
 
 
+def quiet_tp_workers() -> None:
+    """In each worker process vLLM spawns for a TP > 1 instance (this module is their main
+    module, run again as ``__mp_main__``): the NIXL agent without its progress thread, as
+    ``make_llm`` makes the in-process one, and vLLM's shared-memory message queue waiting on its
+    socket at once instead of spinning for a second after each message (``SpinCondition``'s
+    ``busy_loop_s``). An idle prefill steps its engine every ``PREFILL_IDLE_STEP_MS``, so that
+    spin and the progress thread each kept a core busy per rank, more than this 2-core machine
+    has: a TP 2 decode's second worker waited minutes for a core to start on."""
+    import functools
+
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    without_nixl_progress_thread()
+    spin = shm_broadcast.SpinCondition
+    spin.__init__ = functools.partialmethod(spin.__init__, busy_loop_s=0)
+
+
 def make_llm(config: dict[str, Any]) -> Any:
     """An ``LLM`` whose engine core runs in this process. A decode instance times each
     ``LLMEngine.step()`` (schedule, forward, the connector's get_finished) from here, its
@@ -562,3 +579,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+elif __name__ == "__mp_main__":
+    quiet_tp_workers()
