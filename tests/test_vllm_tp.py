@@ -469,3 +469,33 @@ def test_kvd_lets_through_what_vllm_refuses_at_the_handshake_and_nothing_else(
         handshake_worker(vllm, KvdWorker, local, remote, heads)._validate_remote_agent_handshake(
             wrong, 2
         )
+
+
+def test_the_lifted_split_neither_changes_nor_copies_the_worker(vllm) -> None:
+    """vLLM's worker shuts its NIXL agent down in ``__del__``: a copy of it, once collected,
+    released the real worker's descriptor lists (a real TP 2 -> 1 pair failed so)."""
+    import gc
+
+    deleted: list[int] = []
+
+    class Worker(vllm.worker):  # type: ignore[misc,name-defined]
+        def __del__(self) -> None:
+            deleted.append(id(self))
+
+    local = Side(0, 1, 64, [torch.zeros(4, 2, 64, 2 * HEAD_DIM) for _ in range(LAYERS)])
+    worker = vllm_worker(vllm, local, 2)
+    worker.__class__ = Worker
+    plan = vllm.compute_tp_mapping(worker.transfer_topo, 2, worker._group_spec_types)
+    descs = worker._build_fa_local([t.data_ptr() for t in local.layers], 2)
+    blocks = list(worker.region_num_blocks)
+    splits = split_sub_blocks(
+        worker,
+        vllm.worker._build_local_splits_from_plan,
+        plan=plan,
+        src_blocks_data=descs,
+        num_fa_descs=len(descs),
+        ratio=2,
+    )
+    gc.collect()
+    assert deleted == [] and worker.region_num_blocks == blocks
+    assert len(splits) == 2 and all(len(h) == len(descs) for h in splits)

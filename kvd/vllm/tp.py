@@ -20,8 +20,8 @@ reads or overrides (``KvdWorker._validate_remote_agent_handshake``,
 
 from __future__ import annotations
 
-import copy
 import dataclasses
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -56,6 +56,24 @@ def as_equal_blocks(nixl_agent_meta: Any, ratio: int) -> Any:
     )
 
 
+class _SubBlocks:
+    """``worker`` with each region's ``ratio`` sub-blocks per page counted as blocks, for vLLM's
+    own methods to run on: its functions bind to this view, everything else is the worker's.
+
+    Not a copy: vLLM's worker shuts its NIXL agent down in ``__del__``, and a copy's collection
+    once released the real worker's descriptor lists and stopped its handshake executor."""
+
+    def __init__(self, worker: Any, ratio: int) -> None:
+        self._worker = worker
+        self.region_num_blocks = [n * ratio for n in worker.region_num_blocks]
+
+    def __getattr__(self, name: str) -> Any:
+        attr = inspect.getattr_static(type(self._worker), name, None)
+        if inspect.isfunction(attr):
+            return attr.__get__(self, type(self))
+        return getattr(self._worker, name)
+
+
 def split_sub_blocks(
     worker: Any,
     split: Callable[..., Any],
@@ -68,7 +86,5 @@ def split_sub_blocks(
     """vLLM's per-source-rank split (``split``: its ``_build_local_splits_from_plan``) of the
     local descriptors at the remote block size, each of a region's ``ratio`` sub-blocks per
     page taken as a block: one descriptor list per source rank, in ``plan.all_source_ranks``
-    order. ``worker`` is not changed (the split reads a copy)."""
-    view = copy.copy(worker)
-    view.region_num_blocks = [n * ratio for n in worker.region_num_blocks]
-    return list(split(view, plan, src_blocks_data, num_fa_descs, 1))
+    order. ``worker`` is neither changed nor copied."""
+    return list(split(_SubBlocks(worker, ratio), plan, src_blocks_data, num_fa_descs, 1))
