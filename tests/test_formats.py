@@ -12,7 +12,10 @@ from kvd.layout.formats import (
     PRESETS,
     FormatError,
     PageSizes,
+    axes,
     element_offset,
+    has_heads,
+    head_slices_are_pages,
     heads_tokens_order,
     legacy_format,
     legacy_remote_format,
@@ -175,3 +178,28 @@ def test_legacy_remote_format_swaps_heads_and_tokens() -> None:
         legacy_format("split", "nhd")  # type: ignore[arg-type]
     with pytest.raises(FormatError, match=r"kv_arrangement: unknown kv_arrangement 'flat'; known"):
         legacy_format("flat", "NHD")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_a_head_range_of_a_page_is_a_page_exactly_where_heads_are_outermost(name: str) -> None:
+    """Checked against ``element_offset``: heads [1, 3) of a 4-head page, wherever they sit,
+    are one contiguous range holding a 2-head page of the same format element for element."""
+    fmt = PRESETS[name]
+    if not has_heads(fmt) or fmt.regions == "head" or "L" in axes(fmt):
+        assert not head_slices_are_pages(fmt)
+        return
+    whole = PageSizes(num_layers=1, num_heads=4, block_size=3, head_dim=2, itemsize=1)
+    part = PageSizes(num_layers=1, num_heads=2, block_size=3, head_dim=2, itemsize=1)
+    kvs = ("k", "v") if fmt.v or fmt.regions == "kv" else ("k",)
+    moved = {}
+    for kv in kvs:
+        for head in (1, 2):
+            for token in range(3):
+                for channel in range(2):
+                    coords = {"kv": kv, "token": token, "channel": channel}
+                    region, at = element_offset(fmt, whole, head=head, **coords)
+                    _, want = element_offset(fmt, part, head=head - 1, **coords)
+                    moved[(region, at)] = want
+    starts = {r: min(a for (rr, a) in moved if rr == r) for (r, _) in moved}
+    is_page = all(at - starts[r] == want for (r, at), want in moved.items())
+    assert head_slices_are_pages(fmt) == is_page, name

@@ -136,8 +136,8 @@ def test_a_vllm_whose_worker_lacks_hooks_is_refused_naming_them(
     message = str(refused.value)
     assert message.startswith("vLLM 9.9.0 lacks what kvd.vllm builds on (tested with 0.32.0): ")
     assert (
-        "NixlPullConnectorWorker.add_remote_agent(nixl_agent_meta) (kvd.vllm learns a prefill "
-        "engine's pages there)" in message
+        "NixlPullConnectorWorker.add_remote_agent(nixl_agent_meta, remote_tp_rank, "
+        "remote_tp_size) (kvd.vllm learns a prefill engine's pages and TP size there)" in message
     )
     assert (
         "NixlPullConnectorWorker.post_process_device_kv_on_receive(block_size_ratio, "

@@ -99,10 +99,16 @@ class Engine:
         self.log = work / f"{self.name}.log"
         path = work / f"{self.name}.json"
         path.write_text(json.dumps(config))
+        # A TP instance has a worker per rank, each bound to one core ("0|1"): its rank 0 on
+        # ``core``, the others on the cores after it.
+        tp = int(config.get("tensor_parallel_size", 1))
+        cores = sorted(_ALL_CORES)
+        first = cores.index(core) if core in cores else 0
+        bind = "|".join(str(cores[(first + i) % len(cores)]) for i in range(tp))
         env = {
             **os.environ,
             "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_CPU_OMP_THREADS_BIND": str(core),
+            "VLLM_CPU_OMP_THREADS_BIND": bind,
             # Idle OpenMP threads sleep instead of spinning on the core kvd shares.
             "OMP_WAIT_POLICY": "PASSIVE",
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),

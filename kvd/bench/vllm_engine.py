@@ -239,6 +239,23 @@ def without_nixl_progress_thread() -> None:
     )
 
 
+def quiet_tp_workers() -> None:
+    """In each worker process vLLM spawns for a TP > 1 instance (this module is their main
+    module, run again as ``__mp_main__``): the NIXL agent without its progress thread, as
+    ``make_llm`` makes the in-process one, and vLLM's shared-memory message queue waiting on its
+    socket at once instead of spinning for a second after each message (``SpinCondition``'s
+    ``busy_loop_s``). An idle prefill steps its engine every ``PREFILL_IDLE_STEP_MS``, so that
+    spin and the progress thread each kept a core busy per rank, more than this 2-core machine
+    has: a TP 2 decode's second worker waited minutes for a core to start on."""
+    import functools
+
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    without_nixl_progress_thread()
+    spin = shm_broadcast.SpinCondition
+    spin.__init__ = functools.partialmethod(spin.__init__, busy_loop_s=0)
+
+
 def make_llm(config: dict[str, Any]) -> Any:
     """An ``LLM`` whose engine core runs in this process. A decode instance times each
     ``LLMEngine.step()`` (schedule, forward, the connector's get_finished) from here, its
@@ -274,6 +291,10 @@ def make_llm(config: dict[str, Any]) -> Any:
         seed=0,
         enable_prefix_caching=False,
         kv_transfer_config=transfer,
+        # At TP > 1 vLLM's CPU worker runs a process per rank ("mp"): NIXL registers each
+        # rank's cache on its own, and a decode rank reads its heads from the prefill's ranks.
+        tensor_parallel_size=config.get("tensor_parallel_size", 1),
+        distributed_executor_backend="mp" if config.get("tensor_parallel_size", 1) > 1 else None,
         # vLLM picks the CPU backend; a config names one where it must be pinned (CPU_MLA
         # for a float32 MLA model on a CPU with AMX, where vLLM would pick AMX_MLA, bf16 only).
         attention_config={"backend": config["attention_backend"]}
@@ -373,6 +394,8 @@ def decode(config: dict[str, Any]) -> None:
     result: dict[str, Any] = {"startup_s": time.monotonic() - config["launched"]}
     if config.get("timed"):
         _warm_up(llm, server, config.get("max_num_seqs", 8))
+    elif config.get("handshake_first"):
+        _handshake(llm, server)
     for mode in config.get("modes", ["batch"]):
         if mode == "batch":
             result["decode"] = _batch(llm, server, config)
@@ -421,6 +444,20 @@ def _warm_up(llm: Any, server: _PrefillServer, most: int) -> None:
     from kvd.bench.vllm_connectors import take_timings
 
     llm.collective_rpc(take_timings)
+
+
+def _handshake(llm: Any, server: _PrefillServer) -> None:
+    """One request read from the prefill instance, its tokens dropped: vLLM's NIXL handshake
+    runs on the first request that reads from a prefill engine and waits 5 s (hard-coded) for
+    its answer, which a busy 2-core machine missed while a TP 2 decode's workers were still
+    attaching their caches to kvd; a failed handshake is tried again on the next request."""
+    from vllm import TokensPrompt
+
+    (tokens,) = prompts((40,), seed=5)
+    (params,) = server.transfer_params([tokens])
+    llm.generate(
+        [TokensPrompt(prompt_token_ids=tokens)], [sampling(1, params, None)], use_tqdm=False
+    )
 
 
 def _batch(llm: Any, server: _PrefillServer, config: dict[str, Any]) -> list[dict[str, Any]]:
@@ -542,3 +579,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+elif __name__ == "__mp_main__":
+    quiet_tp_workers()

@@ -218,6 +218,23 @@ def has_heads(fmt: PageFormat) -> bool:
     return fmt.regions == "head" or "H" in axes(fmt)
 
 
+def head_slices_are_pages(fmt: PageFormat) -> bool:
+    """Whether the bytes of any run of consecutive heads of a page are one contiguous range that
+    is itself a page of ``fmt`` with that many heads: H is the outermost axis of the page (of
+    each region's page for ``regions="kv"``), and no layer axis interleaves outside it.
+
+    A READ that moves a byte range of a page per TP rank (vLLM's heterogeneous TP) lands pages
+    of ``fmt`` only then.
+    """
+    if fmt.regions == "head" or "L" in axes(fmt):
+        return False
+    if fmt.outer:
+        return fmt.outer[0] == "H"
+    if fmt.v and fmt.regions != "kv":
+        return False  # K of every head, then V of every head
+    return fmt.k[0] == "H" and (not fmt.v or fmt.v[0] == "H")
+
+
 def num_regions(fmt: PageFormat, num_heads: int) -> int:
     """How many regions of ``num_blocks`` pages a tensor of ``fmt`` holds."""
     return {"": 1, "kv": 2, "head": num_heads}[fmt.regions]

@@ -60,7 +60,7 @@ from kvd.client import (
 from kvd.cpus import CpuListError, format_cpus
 from kvd.dtypes import dtype_name
 from kvd.protocol import CACHE_ID_MAX, Event, MemoryRef, ShmRef, TensorSpec
-from kvd.vllm.formats import UnknownFormat, page_format, remote_page_format
+from kvd.vllm.formats import UnknownFormat, landed_format, page_format, remote_page_format
 from kvd.vllm.groups import GroupError, distinct_regions, request_groups, transfer_groups
 from kvd.vllm.holding import Held, Holding, Released, covered_sub_blocks
 from kvd.vllm.hooks import (
@@ -84,6 +84,7 @@ from kvd.vllm.link import (
 from kvd.vllm.shm import ShmAllocation
 from kvd.vllm.split import SplitError, plan_split_read, split_remote_pages
 from kvd.vllm.stats import HandoffStats
+from kvd.vllm.tp import as_equal_blocks, lifts, split_sub_blocks
 
 if TYPE_CHECKING:
     from kvd.cudaipc import HandOffMarkers
@@ -336,14 +337,23 @@ class KvdWorker(NixlPullConnectorWorker):
         return ShmRef(name=self.allocation.name, offset=self.allocation.offset_of(tensor))
 
     def add_remote_agent(self, nixl_agent_meta: Any, *args: Any, **kwargs: Any) -> str:
-        """Learn a prefill engine's page format at its handshake; refuse one kvd does not know."""
+        """Learn a prefill engine's page format at its handshake; refuse one kvd does not know.
+
+        vLLM calls this once per remote rank, with (remote_tp_rank, remote_tp_size, ...). At
+        another TP size the format kvd is told is that of what the READs land
+        (``landed_format``): this rank's heads, from one or several remote ranks."""
+        remote_tp_size = int(args[1] if len(args) > 1 else kwargs.get("remote_tp_size", 1))
         try:
-            fmt = remote_page_format(
-                nixl_agent_meta.attn_backend_name,
-                nixl_agent_meta.kv_cache_layout,
-                local=self._local_format,
-                local_isa=self._isa,
-                kv_cache_dtype=str(self.vllm_config.cache_config.cache_dtype),
+            fmt = landed_format(
+                remote_page_format(
+                    nixl_agent_meta.attn_backend_name,
+                    nixl_agent_meta.kv_cache_layout,
+                    local=self._local_format,
+                    local_isa=self._isa,
+                    kv_cache_dtype=str(self.vllm_config.cache_config.cache_dtype),
+                ),
+                local_tp=int(self.transfer_topo.tp_size),
+                remote_tp=remote_tp_size,
             )
         except UnknownFormat as exc:
             raise KvdConnectorError(
@@ -372,6 +382,34 @@ class KvdWorker(NixlPullConnectorWorker):
             self._splits[engine_id] = split
         self._remotes[engine_id] = (fmt, block_size)
         return result
+
+    def _validate_remote_agent_handshake(
+        self, nixl_agent_meta: Any, remote_tp_size: int, *args: Any, **kwargs: Any
+    ) -> None:
+        """vLLM's checks, with prefill TP above this rank's and smaller prefill blocks let
+        through (``kvd.vllm.tp``): checked as the equal-block pages they fill."""
+        ratio = lifts(self, remote_tp_size, nixl_agent_meta.block_size)
+        if ratio:
+            nixl_agent_meta = as_equal_blocks(nixl_agent_meta, ratio)
+        super()._validate_remote_agent_handshake(nixl_agent_meta, remote_tp_size, *args, **kwargs)
+
+    def _build_local_splits_from_plan(
+        self, plan: Any, src_blocks_data: Any, num_fa_descs: int, block_size_ratio: int = 1
+    ) -> Iterator[list[tuple[int, int, int]]]:
+        """vLLM's split per source rank; at smaller prefill blocks, of the sub-blocks
+        (``kvd.vllm.tp``), which vLLM refuses."""
+        split = NixlPullConnectorWorker._build_local_splits_from_plan
+        if block_size_ratio > 1 and not self.use_mla and not getattr(self, "_has_mamba", False):
+            yield from split_sub_blocks(
+                self,
+                split,
+                plan=plan,
+                src_blocks_data=src_blocks_data,
+                num_fa_descs=num_fa_descs,
+                ratio=block_size_ratio,
+            )
+            return
+        yield from split(self, plan, src_blocks_data, num_fa_descs, block_size_ratio)
 
     def _read_blocks(
         self, read_spec: Any, dst_engine_id: str, request_id: str, **kwargs: Any

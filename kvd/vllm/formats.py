@@ -8,6 +8,8 @@ the setting that avoids it where one exists.
 
 from __future__ import annotations
 
+from kvd.layout.formats import PRESETS, head_slices_are_pages
+
 # In vLLM 0.32 the content dim of a page packs K then V (head_size each) for these backends;
 # their KVCacheLayout names are kvd presets of the same name (kvd.layout.formats.PRESETS).
 PACKED_KV_BACKENDS = ("FLASH_ATTN", "FLASHINFER")
@@ -152,3 +154,48 @@ def remote_page_format(
     return page_format(
         backend, kv_cache_layout, isa=isa, use_mla=False, kv_cache_dtype=kv_cache_dtype
     )
+
+
+class TpLayoutError(UnknownFormat):
+    """A prefill/decode TP pair whose READs land bytes kvd cannot name as a page format."""
+
+
+def landed_format(remote_format: str, *, local_tp: int, remote_tp: int) -> str:
+    """The page format of what the READs land in one remote block's worth of a local page
+    (a sub-page), for a prefill engine of TP size ``remote_tp`` and a decode rank of TP size
+    ``local_tp``; ``remote_format`` is the prefill's page format (``remote_page_format``).
+
+    With equal TP a sub-page is one remote page. With another TP size it holds this rank's KV
+    heads, in head order, at the remote block size (vLLM 0.32 ``nixl/tp_mapping.py``,
+    ``base_worker.py``): with decode TP above prefill TP, the byte range vLLM reads from one
+    prefill rank's page at ``rank_offset_factor`` times its length; with prefill TP above
+    decode TP, every source rank's whole page back to back, in head-slot order. Either is a
+    page of ``remote_format`` with this rank's head count exactly when a head range of a page
+    is itself a page (H outermost: ``cpu_attn_vec``, ``LBHNC``); kvd then plans it as that
+    format with the local head count. Any other format is refused: its byte ranges per rank
+    are not head ranges. MLA caches are replicated across ranks and read whole.
+
+    Raises ``TpLayoutError`` naming the field at fault.
+    """
+    for field, size in (("local_tp", local_tp), ("remote_tp", remote_tp)):
+        if size < 1:
+            raise TpLayoutError(f"{field}: {size} is not a TP size (at least 1)")
+    if max(local_tp, remote_tp) % min(local_tp, remote_tp):
+        raise TpLayoutError(
+            f"remote_tp: {remote_tp} and local_tp: {local_tp}: one TP size must divide the "
+            "other (as vLLM requires)"
+        )
+    if local_tp == remote_tp or remote_format == "mla":
+        return remote_format
+    fmt = PRESETS.get(remote_format)
+    if fmt is None or not head_slices_are_pages(fmt):
+        raise TpLayoutError(
+            f"remote_format {remote_format!r} with prefill TP {remote_tp} and decode TP "
+            f"{local_tp}: a byte range of its pages per TP rank is not a range of heads (H is "
+            "not the outermost axis of its pages), so what the READs land is no page format",
+            avoid=(
+                "give the prefill a layout with heads outermost (LBHNC, what vLLM's NIXL "
+                "connector asks for), or run prefill and decode at one TP size"
+            ),
+        )
+    return remote_format

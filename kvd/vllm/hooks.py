@@ -55,7 +55,11 @@ SCHEDULER_HOOKS = (
 WORKER_HOOKS = (
     Hook("__init__", ("vllm_config", "engine_id", "kv_cache_config"), "builds its worker on it"),
     Hook("register_kv_caches", ("kv_caches",), "attaches the KV cache to kvd there"),
-    Hook("add_remote_agent", ("nixl_agent_meta",), "learns a prefill engine's pages there"),
+    Hook(
+        "add_remote_agent",
+        ("nixl_agent_meta", "remote_tp_rank", "remote_tp_size"),
+        "learns a prefill engine's pages and TP size there",
+    ),
     Hook("start_load_kv", ("metadata",), "keeps each READ's block ids there"),
     Hook("get_transfer_results", (), "holds each request there until kvd answers"),
     Hook(

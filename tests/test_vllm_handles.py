@@ -1,0 +1,225 @@
+"""A request read from several prefill ranks (prefill TP > decode TP: one NIXL handle per
+remote rank) is handed to kvd only once every handle of it is terminal.
+
+Real NIXL agents (UCX over loopback): two prefill peers stand for two remote TP ranks, and
+one request's READ from each is posted by a decode agent. The peer of the second rank is
+stopped (SIGSTOP), so its READ stays in flight while the first one is done. ``KvdWorker``'s
+step runs on vLLM 0.32's own ``get_transfer_results`` (its handle bookkeeping,
+``_pop_done_transfers``); only what a step needs beside the handles (notifications, leases,
+engine cleanup) is stubbed, and kvd's link is a recorder. No ReadDone may leave while the
+stopped rank's READ is in flight, and one must once it finished.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import queue
+import signal
+import time
+import warnings
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import msgspec
+import pytest
+
+from kvd.client import Client, KvdError
+from kvd.daemon_process import DaemonProcess
+from kvd.demo.prefill import PrefillSpec
+from kvd.nixl.reader import Reader
+from kvd.protocol import ReadDone
+from kvd.shm import ShmCache
+from tests.nixl_helpers import kill, spawn_prefill
+
+pytest.importorskip("nixl")
+
+LAYERS, HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 2, 2, 8, 16, 8
+
+
+@pytest.fixture(scope="module")
+def connector() -> Any:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from kvd.vllm import connector
+    except Exception as exc:  # noqa: BLE001 (any failure to load vLLM means: not here)
+        pytest.skip(f"vLLM is not importable: {type(exc).__name__}: {exc}")
+    return connector
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[DaemonProcess]:
+    with DaemonProcess() as d:
+        yield d
+
+
+class RecordingLink:
+    """What ``KvdWorker``'s step uses of ``kvd.vllm.link.KvdLink``, recording its sends."""
+
+    def __init__(self) -> None:
+        from kvd.vllm.link import State
+
+        self.sent: list[bytes] = []
+        self.inbox: collections.deque[tuple[object, int]] = collections.deque()
+        self.steps = 0
+        self.state = State.UP
+
+    def send(self, frame: bytes) -> bool:
+        self.sent.append(frame)
+        return True
+
+
+def decode_worker(connector: Any, agent: Any, link: RecordingLink) -> Any:
+    """A ``KvdWorker`` whose vLLM state is what ``get_transfer_results`` reads of a decode
+    rank at equal block sizes with one KV cache group; ``agent`` is its NIXL agent."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats
+
+    from kvd.vllm.groups import Group
+    from kvd.vllm.holding import Holding
+    from kvd.vllm.stats import HandoffStats
+
+    worker = object.__new__(connector.KvdWorker)
+    worker.nixl_wrapper = agent
+    worker.xfer_stats = NixlKVConnectorStats()
+    worker.transfer_topo = SimpleNamespace(
+        block_size_ratio=lambda remote_block_size: BLOCK_SIZE // remote_block_size,
+        get_engine_info=lambda engine_id: SimpleNamespace(
+            remote_block_size=BLOCK_SIZE, remote_physical_blocks_per_logical=1
+        ),
+    )
+    worker._recving_transfers = defaultdict(list)
+    worker._recving_metadata = {}
+    worker._recv_failures = set()
+    worker._failed_recv_reqs = queue.Queue()
+    worker._replicated_pcp_done_sending = set()
+    worker._pending_recv_notifs = {}
+    worker._invalid_block_ids = queue.Queue()
+    worker._physical_blocks_per_logical_kv_block = 1
+    worker._is_hma_required = False
+    worker._TRANSFER_MODE = "pull"
+    worker._failed_remote_engines = set()
+    worker.use_host_buffer = False
+    worker.enable_permute_local_kv = False
+    worker.enable_heterogeneous_attn_post_process = False
+    worker.tp_rank = 0
+    # Beside the handles: no prefill notifications to take, no leases, no engines to evict.
+    worker._get_new_notifs = set
+    worker._reap_expired_send_leases = lambda done_sending: None
+    worker._cleanup_remote_engines = lambda: None
+    worker._send_pending_recv_notifs = lambda req_id: None
+    # kvd's side of the step.
+    worker.cache_id, worker.block_size = "vllm.decode.0", BLOCK_SIZE
+    worker._remotes = {"prefill": ("cpu_attn_vec", BLOCK_SIZE)}
+    worker._groups = [Group("full", BLOCK_SIZE, ("layer.0",))]
+    worker._holding, worker._unsent, worker._split_reads, worker._metas = Holding(), [], {}, {}
+    worker._markers, worker._step_marker = None, b""
+    worker._link, worker.stats = link, HandoffStats()
+    return worker
+
+
+def telemetry_agent(name: str, backend: str = "UCX") -> Any:
+    """A NIXL agent configured as vLLM's worker configures its own (telemetry captured: its
+    step reads each finished handle's), without NIXL's progress thread."""
+    from kvd.nixl.agent import nixl_api
+
+    api = nixl_api()
+    config = api.nixl_agent_config(
+        enable_prog_thread=False, backends=[backend], capture_telemetry=True
+    )
+    return api.nixl_agent(name, config)
+
+
+def post(reader: Reader, req_id: str, engine_id: str, remote: list[int], local: list[int]) -> Any:
+    """Post one READ with ``reader``'s agent and take its handle, for vLLM's bookkeeping to
+    poll (the reader forgets it); None when it was done at once."""
+    reader.read(req_id, engine_id, "decode", remote, local)
+    if not reader._pending:
+        return None
+    handle = reader._pending.pop().handle
+    return handle
+
+
+def test_a_request_is_handed_to_kvd_only_when_every_remote_ranks_read_is_terminal(
+    connector: Any, daemon: DaemonProcess, short_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("kvd.nixl.agent.make_agent", telemetry_agent)
+    peers = []
+    for rank in range(2):
+        spec = PrefillSpec(
+            engine_id=f"prefill-rank{rank}",
+            block_size=BLOCK_SIZE,
+            layout="HND",
+            seed=rank,
+            num_blocks=NUM_BLOCKS,
+            layers=LAYERS,
+            heads=HEADS,
+            head_dim=HEAD_DIM,
+            endpoint=f"ipc://{short_tmp}/rank{rank}.sock",
+        )
+        peers.append(spawn_prefill(spec))
+    cache = ShmCache.create(
+        num_layers=LAYERS,
+        num_blocks=NUM_BLOCKS,
+        block_size=BLOCK_SIZE,
+        num_heads=HEADS,
+        head_dim=HEAD_DIM,
+        layout="HND",
+    )
+    client = Client(daemon.runtime_dir)
+    reader = Reader("decode", client)
+    link = RecordingLink()
+    try:
+        client.attach("decode", cache.specs)
+        reader.add_cache("decode", cache.tensors, cache.specs)
+        for _, endpoint in peers:
+            reader.connect(endpoint)
+        worker = decode_worker(connector, reader.agent, link)
+        local = [1, 2]
+        meta = SimpleNamespace(
+            remote=SimpleNamespace(engine_id="prefill", block_ids=[[3, 4]]),
+            local_physical_block_ids=[local],
+            local_block_ids=[local],
+            region_blocks_to_zero=None,
+        )
+        worker._metas["req"] = worker._recving_metadata["req"] = meta
+
+        # Rank 0's READ lands; rank 1's peer no longer progresses, so its READ stays in flight.
+        done = post(reader, "req", "prefill-rank0", [3, 4], local)
+        os.kill(peers[1][0].pid, signal.SIGSTOP)
+        in_flight = post(reader, "req", "prefill-rank1", [3, 4], local)
+        assert in_flight is not None, "a READ from a stopped peer finished"
+        worker._recving_transfers["req"] = [h for h in (done, in_flight) if h is not None]
+        deadline = time.monotonic() + 5.0
+        while done is not None and reader.agent.check_xfer_state(done) == "PROC":
+            assert time.monotonic() < deadline, "rank 0's READ did not finish"
+            time.sleep(0.001)
+
+        for _ in range(20):
+            results = worker.get_transfer_results()
+            assert "req" not in results.finished_recving | results.failed_recving
+            assert link.sent == [], "handed to kvd while rank 1's READ is in flight"
+        assert worker._recving_transfers["req"] == [in_flight]
+
+        os.kill(peers[1][0].pid, signal.SIGCONT)
+        deadline = time.monotonic() + 10.0
+        while not link.sent:
+            assert time.monotonic() < deadline, "never handed to kvd after rank 1's READ ended"
+            results = worker.get_transfer_results()
+            assert "req" not in results.failed_recving
+            time.sleep(0.001)
+        assert "req" not in worker._recving_transfers
+        (read_done,) = (msgspec.msgpack.decode(f, type=ReadDone) for f in link.sent)
+        assert read_done.req_id == "req" and list(read_done.physical_block_ids) == local
+    finally:
+        for proc, _ in peers:
+            kill(proc)
+        reader.close()
+        with contextlib.suppress(KvdError):
+            client.detach("decode")
+        client.close()
+        cache.close()

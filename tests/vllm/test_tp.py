@@ -1,0 +1,124 @@
+"""Heterogeneous TP with a real vLLM 0.32 pair on CPU: a decode at TP 2 reading a TP 1 prefill,
+and a decode at TP 1 reading a TP 2 prefill, kvd and stock vLLM side by side.
+
+As ``test_pd.py``: greedy tokens of three prompts and a control request (other prompt tokens,
+prompt 1's transferred KV) must equal a single instance's. vLLM runs a process per rank
+(``distributed_executor_backend="mp"``, one core each); both decode ranks attach their caches
+to one kvd. vLLM's first NIXL handshake waits 5 s (hard-coded), which a busy 2-core machine
+misses: the decode sends one request first (``handshake_first``) and ``run_decode`` runs it
+again when a handshake timed out. The byte-level proof of every TP pair, block pair and
+layout is ``tests/test_vllm_tp.py`` (vLLM's descriptor math on scratch pages).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm is not installed (pip install -e '.[vllm]')")
+
+from kvd.bench.vllm import Prefill, run_decode
+from kvd.bench.vllm_engine import make_model, prompts
+from kvd.client import Client
+from kvd.daemon_process import DaemonProcess
+
+MAX_TOKENS = 16
+
+
+@dataclass
+class Setup:
+    work: Path
+    model: Path
+    prefills: dict[int, Prefill]
+    """Prefill TP size -> a stock prefill instance at that TP, blocks of 32 tokens."""
+    baseline: list[dict[str, Any]]
+
+    def decode(self, prefill_tp: int, decode_tp: int, block_size: int, **config: Any) -> Any:
+        return run_decode(
+            self.work,
+            self.model,
+            self.prefills[prefill_tp],
+            block_size,
+            max_tokens=MAX_TOKENS,
+            tensor_parallel_size=decode_tp,
+            handshake_first=True,
+            **config,
+        )
+
+    def mismatches(self, result: dict[str, Any]) -> list[int]:
+        """Requests whose tokens differ from the single instance's (the last: the control)."""
+        expected = [*self.baseline, self.baseline[1]]
+        return [
+            i
+            for i, (want, got) in enumerate(zip(expected, result["decode"], strict=True))
+            if want["token_ids"] != got["token_ids"]
+        ]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+    work = tmp_path_factory.mktemp("vllm-tp")
+    model = make_model(work / "tiny-llama")
+    prefills = {
+        tp: Prefill(work, model, "NixlConnector", None, 32, tensor_parallel_size=tp)
+        for tp in (1, 2)
+    }
+    try:
+        for server in prefills.values():
+            server.wait_ready()
+        request = {"op": "baseline", "prompts": prompts(), "max_tokens": MAX_TOKENS}
+        baseline = prefills[1].call(request)
+        # The single instance at TP 2 decodes the same tokens (float32): one baseline serves
+        # both decode TP sizes.
+        assert [b["token_ids"] for b in prefills[2].call(request)] == [
+            b["token_ids"] for b in baseline
+        ]
+        yield Setup(work, model, prefills, baseline)
+    finally:
+        for server in prefills.values():
+            server.kill()
+
+
+@pytest.fixture(scope="module")
+def kvd() -> Iterator[DaemonProcess]:
+    with DaemonProcess() as daemon:
+        yield daemon
+
+
+@pytest.mark.parametrize(
+    ("prefill_tp", "decode_tp", "block_size"), [(1, 2, 64), (1, 2, 32), (2, 1, 64), (2, 1, 32)]
+)
+def test_kvd_decode_at_another_tp_equals_the_single_instance(
+    setup: Setup, kvd: DaemonProcess, prefill_tp: int, decode_tp: int, block_size: int
+) -> None:
+    """(2, 1, 64) is the pair vLLM refuses at its handshake (prefill TP > decode TP with
+    smaller prefill blocks) and kvd lifts (``kvd.vllm.tp``)."""
+    with Client(kvd.runtime_dir) as client:
+        before = client.status().counters
+    extra = {"kvd_runtime_dir": str(kvd.runtime_dir)}
+    result = setup.decode(prefill_tp, decode_tp, block_size, extra=extra)
+    assert setup.mismatches(result) == [], result["log"]
+    assert "recomputes" not in result["log"] and "recomputed" not in result["log"], result["log"]
+    with Client(kvd.runtime_dir) as client:
+        after = client.status().counters
+    # Every decode rank hands each of the 4 requests to kvd.
+    assert after["ready"] - before["ready"] >= 4 * decode_tp
+    if block_size > 32:
+        assert after["blocks_processed"] > before["blocks_processed"]
+
+
+def test_stock_vllm_at_another_tp(setup: Setup) -> None:
+    """Stock vLLM's decode at TP 2 from a TP 1 prefill merges CPU pages wrong at 32 -> 64 as
+    at equal TP; at TP 1 from a TP 2 prefill it refuses 32 -> 64 at the handshake and
+    recomputes (the control request then continues its own tokens)."""
+    stock = {"connector": "NixlConnector", "module": None}
+    assert setup.mismatches(setup.decode(1, 2, 64, **stock)) == [0, 1, 2, 3]
+    assert setup.mismatches(setup.decode(1, 2, 32, **stock)) == []
+    refused = setup.decode(2, 1, 64, **stock)
+    assert setup.mismatches(refused) == [3]
+    assert "not supported when P TP > D TP" in Path(refused["log_file"]).read_text()
+    assert setup.mismatches(setup.decode(2, 1, 32, **stock)) == []
