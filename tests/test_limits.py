@@ -251,7 +251,12 @@ def tensor(kvd: Kvd, **changes: Any) -> dict[str, Any]:
     return fields
 
 
-def attach(cache_id: str = "limits", engine_id: str = "", **changes: Any) -> Callable[[Kvd], str]:
+def attach(
+    cache_id: str = "limits",
+    engine_id: str = "",
+    release_with_process: object = False,
+    **changes: Any,
+) -> Callable[[Kvd], str]:
     """An Attach of the fixture's cache, one field changed: its reply as 'Type' or 'Error code'
     (an attached cache is detached again once kvd's memory was measured)."""
 
@@ -261,6 +266,7 @@ def attach(cache_id: str = "limits", engine_id: str = "", **changes: Any) -> Cal
             "cache_id": cache_id,
             "tensors": [tensor(kvd, **changes)],
             "engine_id": engine_id,
+            "release_with_process": release_with_process,
         }
         return outcome(kvd.ask(request))
 
@@ -324,6 +330,12 @@ ATTACH_FIELDS = [
     Row("(the cache with its page_format)", attach(**FORMAT), "Attached", peak_mib=8),
     Row("cache_id", attach(cache_id="c" * FILL), "Error invalid_message", peak_mib=8),
     Row("engine_id", attach(engine_id="e" * FILL), "Error invalid_message", peak_mib=8),
+    Row(
+        "release_with_process",
+        attach(release_with_process="r" * FILL),
+        "Error invalid_message",
+        peak_mib=8,
+    ),
     Row("tensors", most_tensors, r"Attached of \d{4}", peak_mib=96, held_mib=32),
     Row("tensors[].name", attach(name="n" * FILL), "Attached", peak_mib=8),
     Row("tensors[].shape", attach(shape=[1] * FILL), "Error invalid_cache", peak_mib=40),
