@@ -121,6 +121,8 @@ def recipe(model: Path, stock: Server, tmp_path_factory: pytest.TempPathFactory)
             while not healthy(url):
                 tail = log.read_text(errors="replace")[-4000:]
                 assert proc.poll() is None, f"the recipe exited:\n{tail}"
+                # A server that died leaves the recipe's shell waiting on the others.
+                assert "initialization failed" not in tail, f"a server of the recipe died:\n{tail}"
                 assert time.monotonic() < deadline, f"{url} did not start:\n{tail}"
                 time.sleep(1)
         yield runtime / "kvd" / "0"

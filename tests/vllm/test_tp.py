@@ -114,11 +114,12 @@ def test_kvd_decode_at_another_tp_equals_the_single_instance(
 def test_stock_vllm_at_another_tp(setup: Setup) -> None:
     """Stock vLLM's decode at TP 2 from a TP 1 prefill merges CPU pages wrong at 32 -> 64 as
     at equal TP; at TP 1 from a TP 2 prefill it refuses 32 -> 64 at the handshake and
-    recomputes (the control request then continues its own tokens)."""
+    recomputes (the control request then continues its own tokens). At 32 -> 32 stock decodes
+    the single instance's tokens both ways (seen at 2733040; a TP 2 decode costs CI half a
+    minute, and what lands there is the decode's own page, which ``tests/test_vllm_tp.py``
+    checks on scratch pages)."""
     stock = {"connector": "NixlConnector", "module": None}
     assert setup.mismatches(setup.decode(1, 2, 64, **stock)) == [0, 1, 2, 3]
-    assert setup.mismatches(setup.decode(1, 2, 32, **stock)) == []
     refused = setup.decode(2, 1, 64, **stock)
     assert setup.mismatches(refused) == [3]
     assert "not supported when P TP > D TP" in Path(refused["log_file"]).read_text()
-    assert setup.mismatches(setup.decode(2, 1, 32, **stock)) == []
