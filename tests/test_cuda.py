@@ -8,7 +8,6 @@ on a GPU machine.
 from __future__ import annotations
 
 import asyncio
-import collections
 import os
 import random
 import subprocess
@@ -49,6 +48,7 @@ from tests.fake_cuda import (
     HostCuda,
 )
 from tests.kernel_cases import check_cache, make_cache
+from tests.link_double import StepLink
 from tests.reference import expected_block, random_bytes, same_bytes
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -718,23 +718,6 @@ def test_the_engine_records_a_marker_again_only_once_no_request_carries_it(
         (0, "other-stream"),
     ]
     assert len(engine.events) == 2 and markers.carried == 2
-
-
-class StepLink:
-    """What ``KvdWorker``'s step uses of ``kvd.vllm.link.KvdLink``: a send that always goes,
-    the inbox of kvd's answers, the step count and the state."""
-
-    def __init__(self) -> None:
-        from kvd.vllm.link import State
-
-        self.sent: list[bytes] = []
-        self.inbox: collections.deque[tuple[object, int]] = collections.deque()
-        self.steps = 0
-        self.state = State.UP
-
-    def send(self, frame: bytes) -> bool:
-        self.sent.append(frame)
-        return True
 
 
 def test_kvd_vllm_hands_off_behind_one_marker_per_step_and_frees_it_when_answered(

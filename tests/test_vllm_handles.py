@@ -12,7 +12,6 @@ stopped rank's READ is in flight, and one must once it finished.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import os
 import queue
@@ -34,6 +33,7 @@ from kvd.demo.prefill import PrefillSpec
 from kvd.nixl.reader import Reader
 from kvd.protocol import ReadDone
 from kvd.shm import ShmCache
+from tests.link_double import StepLink
 from tests.nixl_helpers import kill, spawn_prefill
 
 pytest.importorskip("nixl")
@@ -58,23 +58,7 @@ def daemon() -> Iterator[DaemonProcess]:
         yield d
 
 
-class RecordingLink:
-    """What ``KvdWorker``'s step uses of ``kvd.vllm.link.KvdLink``, recording its sends."""
-
-    def __init__(self) -> None:
-        from kvd.vllm.link import State
-
-        self.sent: list[bytes] = []
-        self.inbox: collections.deque[tuple[object, int]] = collections.deque()
-        self.steps = 0
-        self.state = State.UP
-
-    def send(self, frame: bytes) -> bool:
-        self.sent.append(frame)
-        return True
-
-
-def decode_worker(connector: Any, agent: Any, link: RecordingLink) -> Any:
+def decode_worker(connector: Any, agent: Any, link: StepLink) -> Any:
     """A ``KvdWorker`` whose vLLM state is what ``get_transfer_results`` reads of a decode
     rank at equal block sizes with one KV cache group; ``agent`` is its NIXL agent."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats
@@ -172,7 +156,7 @@ def test_a_request_is_handed_to_kvd_only_when_every_remote_ranks_read_is_termina
     )
     client = Client(daemon.runtime_dir)
     reader = Reader("decode", client)
-    link = RecordingLink()
+    link = StepLink()
     try:
         client.attach("decode", cache.specs)
         reader.add_cache("decode", cache.tensors, cache.specs)

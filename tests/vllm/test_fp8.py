@@ -56,12 +56,6 @@ def fp8(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         prefill.kill()
 
 
-@pytest.fixture(scope="module")
-def kvd() -> Iterator[DaemonProcess]:
-    with DaemonProcess() as daemon:
-        yield daemon
-
-
 def test_kvd_decodes_an_fp8_cache_like_the_single_instance(fp8: Setup, kvd: DaemonProcess) -> None:
     """32 -> 64: kvd merges two 1-byte pages into each decode page; the tokens are the fp8
     single instance's, control request included."""

@@ -46,12 +46,6 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
             server.kill()
 
 
-@pytest.fixture(scope="module")
-def kvd() -> Iterator[DaemonProcess]:
-    with DaemonProcess() as daemon:
-        yield daemon
-
-
 def counters(kvd: DaemonProcess) -> dict[str, int]:
     with Client(kvd.runtime_dir) as client:
         return client.status().counters

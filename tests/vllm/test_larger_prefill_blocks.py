@@ -48,12 +48,6 @@ def larger(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
             server.kill()
 
 
-@pytest.fixture(scope="module")
-def kvd() -> Iterator[DaemonProcess]:
-    with DaemonProcess() as daemon:
-        yield daemon
-
-
 def recomputed(log: str) -> tuple[int, int]:
     """(requests, tokens) vLLM's scheduler recomputed after blocks failed to load."""
     found = [tuple(map(int, m)) for m in RECOVERED.findall(log)]

@@ -87,12 +87,6 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
             server.kill()
 
 
-@pytest.fixture(scope="module")
-def kvd() -> Iterator[DaemonProcess]:
-    with DaemonProcess() as daemon:
-        yield daemon
-
-
 @pytest.mark.parametrize("block_size", [32, 64, 128])
 def test_kvd_decode_equals_the_single_instance(
     setup: Setup, kvd: DaemonProcess, block_size: int

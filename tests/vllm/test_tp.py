@@ -83,12 +83,6 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
             server.kill()
 
 
-@pytest.fixture(scope="module")
-def kvd() -> Iterator[DaemonProcess]:
-    with DaemonProcess() as daemon:
-        yield daemon
-
-
 @pytest.mark.parametrize(
     ("prefill_tp", "decode_tp", "block_size"), [(1, 2, 64), (1, 2, 32), (2, 1, 64), (2, 1, 32)]
 )
