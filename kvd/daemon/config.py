@@ -214,7 +214,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             description=(
                 "How long (seconds) a cache outlives its engine: once the engine's control "
                 "connection closed, or, for an engine that sends Heartbeats, after its last one, "
-                "kvd answers the cache's requests and detaches it. 0: caches stay until detached."
+                "kvd answers the cache's requests and detaches it. A cache attached with "
+                "release_with_process (vLLM's KvdConnector) goes at once when that process is "
+                "gone. 0: caches stay until detached."
             ),
         ),
     ] = 30.0
