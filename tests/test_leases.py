@@ -65,9 +65,10 @@ def test_a_cache_released_with_its_process_expires_when_the_process_is_gone() ->
     leases.attached("c2", "engine-c")
     assert leases.connection_closed("c0", 100, process_gone=True)
     assert leases.expires_in("c0", 100) == 0 and leases.expired(100) == ["c0"]
+    assert leases.process_gone("c0")
     # Its process alive (a client that reconnected): the lease runs as for any other cache.
     assert leases.connection_closed("c1", 100, process_gone=False)
-    assert leases.expires_in("c1", 100) == 30
+    assert leases.expires_in("c1", 100) == 30 and not leases.process_gone("c1")
     # Not asked for: a gone process still gets the lease (its memory may outlive it).
     assert leases.connection_closed("c2", 100, process_gone=True)
     assert leases.expires_in("c2", 100) == 30

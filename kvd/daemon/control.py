@@ -348,7 +348,7 @@ class Control:
             gone = connection.process_gone()
             if self.leases.connection_closed(cache_id, now, process_gone=gone):
                 engine = _engine_name(cache)
-                if self.leases.expires_in(cache_id, now) == 0:
+                if self.leases.process_gone(cache_id):
                     log.warning(
                         "cache %r: %s closed its control connection and its process (pid %s) "
                         "is gone, with the cache's memory: detaching it now",
@@ -366,13 +366,14 @@ class Control:
                     )
         for cache_id in self.leases.expired(now):
             cache = self._registry.get(cache_id)
+            process_gone = self.leases.process_gone(cache_id)
             self.leases.detached(cache_id)
             if cache is None or cache.detaching is not None:
                 continue
             self._metrics.leases_expired.value += 1
             engine = _engine_name(cache)
             connection = cache.owner.connection
-            if connection is not None and connection.process_gone():
+            if process_gone and connection is not None:
                 why = f"its process (pid {connection.pid}) is gone"
             else:
                 why = f"no connection or heartbeat for {lease_s:g}s"

@@ -25,6 +25,8 @@ class Lease:
     """The cache's memory dies with the attaching process (Attach.release_with_process)."""
     expires_s: float | None = None
     """When the cache expires; None while its engine's connection holds it."""
+    process_gone: bool = False
+    """It expired at once: attached ``with_process``, and that process is gone."""
 
 
 class Leases:
@@ -63,11 +65,17 @@ class Leases:
             return False
         if lease.with_process and process_gone:
             lease.expires_s = now_s
+            lease.process_gone = True
             return True
         if lease.heartbeats:
             return False
         lease.expires_s = now_s + self.lease_s
         return True
+
+    def process_gone(self, cache_id: str) -> bool:
+        """Whether ``cache_id`` expired at once because its attaching process is gone."""
+        lease = self._leases.get(cache_id)
+        return lease is not None and lease.process_gone
 
     def watched(self) -> list[str]:
         """Caches held by their connection: the ones whose connection is worth checking."""
