@@ -30,7 +30,7 @@ from kvd.endpoints import (
     Endpoints,
     KvdUnavailable,
     check_running,
-    default_runtime_dir,
+    client_runtime_dir,
     read_endpoints,
 )
 from kvd.protocol import (
@@ -97,12 +97,15 @@ def resolve_runtime_dir(
     gpu: str = "0",
     endpoints: Endpoints | None = None,
 ) -> Path | None:
-    """The runtime directory a client looks in (None when given explicit endpoints)."""
+    """The runtime directory a client looks in (None when given explicit endpoints):
+    ``runtime_dir``, else ``KVD_RUNTIME_DIR``, else ``client_runtime_dir(gpu)``. ``{gpu}`` in
+    the first two stands for ``gpu``: ``/run/kvd/{gpu}`` gives each rank of a TP engine its own
+    GPU's kvd."""
     if endpoints is not None:
         return None
     if runtime_dir is None:
-        runtime_dir = os.environ.get("KVD_RUNTIME_DIR") or default_runtime_dir(gpu)
-    return Path(runtime_dir)
+        runtime_dir = os.environ.get("KVD_RUNTIME_DIR") or client_runtime_dir(gpu)
+    return Path(str(runtime_dir).replace("{gpu}", gpu))
 
 
 class _Locator:

@@ -40,7 +40,12 @@ class Endpoints:
         return {name: value for name, value in asdict(self).items() if value}
 
 
+SYSTEM_RUNTIME_DIR = Path("/run/kvd")
+"""Where ``kvd@<gpu>.service`` keeps its runtime directories (``RuntimeDirectory=kvd/%i``)."""
+
+
 def default_runtime_dir(gpu: str, environ: Mapping[str, str] | None = None) -> Path:
+    """The runtime directory ``kvd serve --gpu GPU`` uses when none is given."""
     env = os.environ if environ is None else environ
     # systemd may list several directories separated by ':'; ours is the first.
     if env.get("RUNTIME_DIRECTORY"):
@@ -48,6 +53,23 @@ def default_runtime_dir(gpu: str, environ: Mapping[str, str] | None = None) -> P
     if env.get("XDG_RUNTIME_DIR"):
         return Path(env["XDG_RUNTIME_DIR"]) / "kvd" / gpu
     return Path(f"/tmp/kvd-{os.getuid()}") / gpu
+
+
+def client_runtime_dir(
+    gpu: str, environ: Mapping[str, str] | None = None, system_dir: Path = SYSTEM_RUNTIME_DIR
+) -> Path:
+    """The runtime directory a client of GPU ``gpu``'s kvd looks in when none is given: the
+    first that exists of ``$XDG_RUNTIME_DIR/kvd/GPU`` (a kvd started by hand), ``/run/kvd/GPU``
+    (``kvd@GPU.service``) and ``/tmp/kvd-UID/GPU``; the last when none does.
+
+    Not ``$RUNTIME_DIRECTORY``: in a client's environment that is its own unit's directory.
+    """
+    env = os.environ if environ is None else environ
+    fallback = Path(f"/tmp/kvd-{os.getuid()}") / gpu
+    candidates = [system_dir / gpu, fallback]
+    if env.get("XDG_RUNTIME_DIR"):
+        candidates.insert(0, Path(env["XDG_RUNTIME_DIR"]) / "kvd" / gpu)
+    return next((path for path in candidates if path.is_dir()), fallback)
 
 
 def read_endpoints(runtime_dir: str | Path) -> Endpoints:

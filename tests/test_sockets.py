@@ -12,11 +12,12 @@ import pytest
 import zmq
 
 from kvd.bench.cores import spawning_on
+from kvd.client import resolve_runtime_dir
 from kvd.daemon.binding import EndpointError, bind, normalize_endpoint
 from kvd.daemon.reader import SocketReader
 from kvd.daemon.runtime_dir import RuntimeLock, write_endpoints
 from kvd.daemon_process import DaemonProcess
-from kvd.endpoints import Endpoints, default_runtime_dir, read_endpoints
+from kvd.endpoints import Endpoints, client_runtime_dir, default_runtime_dir, read_endpoints
 from tests.daemon_helpers import kvd, zmq_io_threads
 
 
@@ -26,6 +27,26 @@ def test_runtime_dir_defaults() -> None:
     )
     assert default_runtime_dir("2", {"XDG_RUNTIME_DIR": "/run/user/7"}) == Path("/run/user/7/kvd/2")
     assert default_runtime_dir("1", {}).name == "1"
+
+
+def test_a_client_looks_where_a_daemon_of_its_gpu_would_be(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    xdg, system = tmp_path / "xdg", tmp_path / "run-kvd"
+    env = {"XDG_RUNTIME_DIR": str(xdg), "RUNTIME_DIRECTORY": str(tmp_path / "engine-unit")}
+    # None there yet: the fallback, never the client's own unit's directory.
+    assert client_runtime_dir("1", env, system) == Path(f"/tmp/kvd-{os.getuid()}/1")
+    (system / "1").mkdir(parents=True)
+    assert client_runtime_dir("1", env, system) == system / "1"  # kvd@1.service
+    (xdg / "kvd" / "1").mkdir(parents=True)
+    assert client_runtime_dir("1", env, system) == xdg / "kvd" / "1"  # a kvd started by hand
+    assert client_runtime_dir("0", env, system) == Path(f"/tmp/kvd-{os.getuid()}/0")
+
+    # {gpu} in a given directory or KVD_RUNTIME_DIR is the rank's GPU.
+    assert resolve_runtime_dir("/run/kvd/{gpu}", gpu="3") == Path("/run/kvd/3")
+    monkeypatch.setenv("KVD_RUNTIME_DIR", str(tmp_path / "{gpu}" / "sockets"))
+    assert resolve_runtime_dir(gpu="2") == tmp_path / "2" / "sockets"
+    assert resolve_runtime_dir(str(system / "1"), gpu="2") == system / "1"
 
 
 def test_endpoints() -> None:

@@ -31,8 +31,9 @@ default, a TOML file (`kvd serve --config PATH`), a `KVD_<NAME>` environment var
 `--<name>` flag. Errors name the source and the field (`KVD_BATCH_WINDOW_US='soon': Expected
 int`), and `kvd serve` exits with status 2. A key in the file that is no setting is an error; a
 `KVD_*` variable that is no setting is logged as a warning at start, naming the closest one;
-{other_env} pass without one (clients find the daemon with `KVD_RUNTIME_DIR` and `KVD_GPU`, and
-a non-empty `KVD_NO_UVLOOP` runs asyncio's own event loop instead of uvloop).
+{other_env} pass without one (clients find the daemon with `KVD_RUNTIME_DIR`, in which `{{gpu}}`
+stands for the GPU, and `KVD_GPU`; a non-empty `KVD_NO_UVLOOP` runs asyncio's own event loop
+instead of uvloop).
 
 Under systemd each instance reads `/etc/kvd/kvd@<gpu>.toml`
 ([deployment](deployment.md#systemd)); `systemd/kvd.toml.example` holds the usual keys. Two

@@ -29,8 +29,9 @@ The engine's thread only sends and takes answers from a deque; whatever may wait
 subscription, replays, liveness checks, attaching again, the stats file) runs on the connector's
 own thread, ``kvd.vllm.link``.
 
-kvd is found through ``kv_connector_extra_config["kvd_runtime_dir"]``, else ``KVD_RUNTIME_DIR``,
-else kvd's default runtime directory for the worker's rank; an unreachable kvd is a startup error.
+kvd is found through ``kv_connector_extra_config["kvd_runtime_dir"]``, else ``KVD_RUNTIME_DIR``
+(``{gpu}`` in either stands for the rank's GPU), else the default runtime directory of the
+rank's GPU's kvd (``kvd.endpoints.client_runtime_dir``); an unreachable kvd is a startup error.
 """
 
 from __future__ import annotations
@@ -172,7 +173,7 @@ class KvdWorker(NixlPullConnectorWorker):
                 f"vLLM {_nixl.version}: its NIXL worker has no {', '.join(missing)}, which "
                 "kvd.vllm reads (this vLLM is newer than kvd.vllm knows)"
             )
-        found = resolve_runtime_dir(extra.get("kvd_runtime_dir") or None, gpu=str(self.tp_rank))
+        found = resolve_runtime_dir(extra.get("kvd_runtime_dir") or None, gpu=self._gpu())
         assert found is not None  # no explicit endpoints: always a directory
         self.kvd_dir = found
         self.down_timeout_s = float(extra.get("kvd_down_timeout_s", DOWN_TIMEOUT_S))
@@ -216,6 +217,13 @@ class KvdWorker(NixlPullConnectorWorker):
         )
 
     # -- startup --------------------------------------------------------------------------------
+
+    def _gpu(self) -> str:
+        """Which GPU's kvd serves this rank: its CUDA device (vLLM sets it from the local rank
+        before the connector starts), on CPU its TP rank."""
+        if self.device_type == "cuda":
+            return str(torch.cuda.current_device())
+        return str(self.tp_rank)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Attach the caches to kvd with their page format, then let NIXL register them."""

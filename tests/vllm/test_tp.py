@@ -4,14 +4,18 @@ and a decode at TP 1 reading a TP 2 prefill, kvd and stock vLLM side by side.
 As ``test_pd.py``: greedy tokens of three prompts and a control request (other prompt tokens,
 prompt 1's transferred KV) must equal a single instance's. vLLM runs a process per rank
 (``distributed_executor_backend="mp"``, one core each); both decode ranks attach their caches
-to one kvd. vLLM's first NIXL handshake waits 5 s (hard-coded), which a busy 2-core machine
-misses: the decode sends one request first (``handshake_first``) and ``run_decode`` runs it
-again when a handshake timed out. The byte-level proof of every TP pair, block pair and
-layout is ``tests/test_vllm_tp.py`` (vLLM's descriptor math on scratch pages).
+to one kvd, except where one kvd per rank is the point. vLLM's first NIXL handshake waits 5 s
+(hard-coded), which a busy 2-core machine misses: the decode sends one request first
+(``handshake_first``) and ``run_decode`` runs it again when a handshake timed out. The
+byte-level proof of every TP pair, block pair and layout is ``tests/test_vllm_tp.py`` (vLLM's
+descriptor math on scratch pages).
 """
 
 from __future__ import annotations
 
+import re
+import shutil
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,6 +107,30 @@ def test_kvd_decode_at_another_tp_equals_the_single_instance(
     assert after["ready"] - before["ready"] >= 4 * decode_tp
     if block_size > 32:
         assert after["blocks_processed"] > before["blocks_processed"]
+
+
+def test_each_decode_rank_finds_its_own_kvd(setup: Setup) -> None:
+    """One kvd per decode GPU, as deployed (``kvd@N.service``): a TP 2 decode given
+    ``kvd_runtime_dir=.../{gpu}`` attaches rank N's cache to kvd N and hands each kvd only its
+    own rank's requests."""
+    root = Path(tempfile.mkdtemp(prefix="kvd-"))
+    daemons = [DaemonProcess(runtime_dir=root / str(gpu)) for gpu in (0, 1)]
+    try:
+        for daemon in daemons:
+            daemon.start()
+        result = setup.decode(1, 2, 64, extra={"kvd_runtime_dir": str(root / "{gpu}")})
+        assert setup.mismatches(result) == [], result["log"]
+        for gpu, daemon in enumerate(daemons):
+            with Client(daemon.runtime_dir) as client:
+                counters = client.status().counters
+            attached = re.findall(r"attached cache '([^']+)'", daemon.log_path.read_text())
+            assert [cache_id.rsplit(".", 1)[1] for cache_id in attached] == [str(gpu)]
+            assert counters["ready"] >= 4
+            assert counters["blocks_processed"] > 0
+    finally:
+        for daemon in daemons:
+            daemon.kill()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_stock_vllm_at_another_tp(setup: Setup) -> None:
