@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import pytest
 
-from kvd.vllm.split import SplitError, SplitRead, plan_split_read, split_remote_pages
+from kvd.vllm.split import (
+    SplitError,
+    SplitRead,
+    plan_hybrid_split_read,
+    plan_split_read,
+    split_remote_pages,
+)
 
 
 @dataclass
@@ -76,3 +83,75 @@ def test_a_request_reads_whole_groups_and_leaves_the_rest_to_recompute(
 ) -> None:
     sub_blocks = [i * k + j for i in range(remote_blocks) for j in range(k)]
     assert plan_split_read(local, sub_blocks, k, computed) == want
+
+
+def hybrid_lists(
+    tokens: int, k: int, *, block: int = 32, window: int = 32
+) -> tuple[list[list[int]], list[list[int]]]:
+    """(local, remote sub-blocks) per group, [full, sliding window], of a request of ``tokens``
+    as vLLM 0.32 clips them: a sliding-window group keeps its last cdiv(window, block) + 1
+    blocks on each side. Local block i is 100 + i (full) or 200 + i; remote sub-block j of the
+    full group is 1000 + j, of the window group 2000 + j: a pairing shows in the ids."""
+    local_blocks = -(-tokens // block)
+    remote_blocks = -(-tokens // (block * k))
+    keep_local = -(-window // block) + 1
+    keep_remote = -(-window // (block * k)) + 1
+    local = [list(range(100, 100 + local_blocks)), list(range(200, 200 + local_blocks))]
+    remote = [
+        list(range(1000, 1000 + remote_blocks * k)),
+        list(range(2000, 2000 + remote_blocks * k)),
+    ]
+    local[1] = local[1][-keep_local:]
+    remote[1] = remote[1][-keep_remote * k :]
+    return local, remote
+
+
+KINDS: list[Literal["full", "sliding_window"]] = ["full", "sliding_window"]
+
+
+def test_a_hybrid_request_reads_each_group_where_its_tokens_are() -> None:
+    # 100 tokens, 64 -> 32: local blocks 0-3, window tail 2-3; the prefill's window tail is
+    # its last 2 blocks, sub-blocks 0-3, of which 2-3 hold the local tail's tokens.
+    local, remote = hybrid_lists(100, 2)
+    plans = plan_hybrid_split_read(KINDS, local, remote, 2, [0, 0])
+    assert plans == [
+        SplitRead([100, 101, 102, 103], [1000, 1001, 1002, 1003], []),
+        SplitRead([202, 203], [2002, 2003], []),
+    ]
+    # 300 tokens: local tail 8-9, the prefill's 3-4 (sub-blocks 6-9): 8-9 are its last two.
+    local, remote = hybrid_lists(300, 2)
+    plans = plan_hybrid_split_read(KINDS, local, remote, 2, [0, 0])
+    assert not isinstance(plans, str)
+    assert plans[1] == SplitRead([208, 209], [2008, 2009], [])
+    assert plans[0].local == list(range(100, 110)) and plans[0].unread == []
+
+
+@pytest.mark.parametrize(
+    ("tokens", "k", "window", "why"),
+    [
+        # The last remote block holds 16 tokens: one local block of its two.
+        (80, 2, 32, "group 0: 1 local blocks hold part of a remote block"),
+        # 128 -> 32, 100 tokens: the window's tail starts at local block 2, inside remote 0.
+        (100, 4, 32, "group 1 (sliding window): its 2 local blocks from block 2"),
+        # 64 -> 32 with a 64-token window: a tail of 3 blocks from block 1.
+        (128, 2, 64, "group 1 (sliding window): its 3 local blocks from block 1"),
+    ],
+)
+def test_a_hybrid_request_not_read_whole_is_recomputed_whole(
+    tokens: int, k: int, window: int, why: str
+) -> None:
+    local, remote = hybrid_lists(tokens, k, window=window)
+    plans = plan_hybrid_split_read(KINDS, local, remote, k, [0, 0])
+    assert isinstance(plans, str) and plans.startswith(why), plans
+
+
+def test_a_hybrid_request_with_a_window_prefix_hit_is_recomputed() -> None:
+    local, remote = hybrid_lists(100, 2)
+    plans = plan_hybrid_split_read(KINDS, local, remote, 2, [0, 2])
+    assert isinstance(plans, str) and "group 1 (sliding window)" in plans
+
+
+def test_a_hybrid_model_without_a_full_attention_group_is_not_read() -> None:
+    local, remote = hybrid_lists(100, 2)
+    plans = plan_hybrid_split_read(["sliding_window"], local[1:], remote[1:], 2, [0])
+    assert isinstance(plans, str) and "no full-attention group" in plans

@@ -83,7 +83,13 @@ from kvd.vllm.link import (
     parse_io_cpus,
 )
 from kvd.vllm.shm import ShmAllocation
-from kvd.vllm.split import SplitError, plan_split_read, split_remote_pages
+from kvd.vllm.split import (
+    SplitError,
+    SplitRead,
+    plan_hybrid_split_read,
+    plan_split_read,
+    split_remote_pages,
+)
 from kvd.vllm.stats import HandoffStats
 from kvd.vllm.tp import as_equal_blocks, lifts, split_sub_blocks
 
@@ -197,8 +203,9 @@ class KvdWorker(NixlPullConnectorWorker):
         """Engine id -> (page format, block size) of each prefill engine, from its handshake."""
         self._splits: dict[str, int] = {}
         """Engine id -> k, for prefill engines whose blocks are k times this engine's."""
-        self._split_reads: dict[str, list[int]] = {}
-        """The local blocks read for each request from such an engine, k per remote block."""
+        self._split_reads: dict[str, list[list[int]] | str] = {}
+        """The local blocks read for each request from such an engine, per KV cache group, k per
+        remote block; or why none could be read (the request is then recomputed)."""
         self._metas: dict[str, Any] = {}
         """The receive metadata of requests whose READs are under way (vLLM pops its own
         copy in the step that reports them finished, before kvd is told)."""
@@ -373,12 +380,6 @@ class KvdWorker(NixlPullConnectorWorker):
             split = split_remote_pages(nixl_agent_meta, self.block_size)
         except SplitError as exc:
             raise KvdConnectorError(f"prefill engine {engine_id!r}: {exc}") from exc
-        if split > 1 and len(self._groups) > 1:
-            raise KvdConnectorError(
-                f"prefill engine {engine_id!r}: blocks of {block_size} tokens into blocks of "
-                f"{self.block_size} with a hybrid model ({len(self._groups)} KV cache groups) "
-                "are not supported yet"
-            )
         if split > 1 and self.kv_transfer_config.kv_load_failure_policy != "recompute":
             raise KvdConnectorError(
                 f"prefill engine {engine_id!r}: blocks of {block_size} tokens into blocks of "
@@ -429,17 +430,33 @@ class KvdWorker(NixlPullConnectorWorker):
         if k is not None and any(read_spec.local_block_ids):
             meta = self._recving_metadata.get(request_id)
             computed = meta.local_num_computed_blocks if meta is not None else ()
-            plan = plan_split_read(
-                read_spec.local_block_ids[0],
-                read_spec.remote_block_ids[0],
-                k,
-                computed[0] if computed else 0,
-            )
-            if plan.unread:
-                self._invalid_block_ids.put(set(plan.unread))
-            self._split_reads[request_id] = plan.local
+            if len(self._groups) > 1:
+                plans = plan_hybrid_split_read(
+                    [group.kind for group in self._groups],
+                    read_spec.local_block_ids,
+                    read_spec.remote_block_ids,
+                    k,
+                    computed or (),
+                )
+            else:
+                plan = plan_split_read(
+                    read_spec.local_block_ids[0],
+                    read_spec.remote_block_ids[0],
+                    k,
+                    computed[0] if computed else 0,
+                )
+                if plan.unread:
+                    self._invalid_block_ids.put(set(plan.unread))
+                plans = [plan]
+            if isinstance(plans, str):  # nothing is read: the request is recomputed
+                self._split_reads[request_id] = plans
+                plans = [SplitRead([], [], []) for _ in self._groups]
+            else:
+                self._split_reads[request_id] = [plan.local for plan in plans]
             read_spec = dataclasses.replace(
-                read_spec, local_block_ids=[plan.local], remote_block_ids=[plan.remote]
+                read_spec,
+                local_block_ids=[plan.local for plan in plans],
+                remote_block_ids=[plan.remote for plan in plans],
             )
         ok: bool = super()._read_blocks(
             read_spec=read_spec, dst_engine_id=dst_engine_id, request_id=request_id, **kwargs
@@ -484,7 +501,11 @@ class KvdWorker(NixlPullConnectorWorker):
                 split_read = self._split_reads.pop(req_id, None)
                 if meta is None or meta.remote is None or req_id in results.failed_recving:
                     continue  # nothing landed for kvd to rewrite
-                if split_read == []:
+                if isinstance(split_read, str):
+                    log.warning("request %s is recomputed: %s", req_id, split_read)
+                    results.failed_recving.add(req_id)
+                    continue
+                if split_read == [[]]:
                     continue  # no whole group: vLLM recomputes the blocks reported invalid
                 results.finished_recving.discard(req_id)
                 self._hand_off(req_id, meta, split_read, link, results)
@@ -509,20 +530,24 @@ class KvdWorker(NixlPullConnectorWorker):
         self,
         req_id: str,
         meta: Any,
-        split_read: list[int] | None,
+        split_read: list[list[int]] | None,
         link: KvdLink,
         results: KVConnectorTransferResults,
     ) -> None:
         """Send kvd the request's ReadDone and hold it. ``split_read``: the local blocks read
-        from a prefill with larger blocks (whole groups, every remote page covered), else
-        None."""
+        from a prefill with larger blocks per KV cache group (whole groups of pages, every
+        remote page covered), else None."""
         engine_id = meta.remote.engine_id
         remote_format, remote_block_size = self._remotes[engine_id]
         covered: int | None
         covered_range = None
         groups: tuple[tuple[int, int], ...] = ()
         why_not = ""
-        if len(self._groups) > 1:
+        if split_read is not None:
+            local, covered = [b for ids in split_read for b in ids], 0
+            if len(split_read) > 1:
+                groups = tuple((len(ids), 0) for ids in split_read)
+        elif len(self._groups) > 1:
             ratio = max(1, self.block_size // remote_block_size)
             ranges = getattr(meta, "covered_sub_blocks", None) or ()
             parts = request_groups(
@@ -538,7 +563,7 @@ class KvdWorker(NixlPullConnectorWorker):
                 local = [b for ids, _ in parts for b in ids]
                 groups = tuple((len(ids), c) for ids, c in parts)
                 covered = 0
-        elif split_read is None:
+        else:
             local = meta.local_physical_block_ids[0]
             ratio = max(1, self.block_size // remote_block_size)
             # vLLM 0.34 records the sub-blocks its READ covered (pairing blocks from the last
@@ -548,8 +573,6 @@ class KvdWorker(NixlPullConnectorWorker):
             covered = covered_sub_blocks(
                 len(local), ratio, len(meta.remote.block_ids[0]), covered_range
             )
-        else:
-            local, covered = split_read, 0
         state = link.state
         if state is State.GONE or covered is None:
             # No kvd to wait for, or landed blocks a ReadDone cannot describe: vLLM recomputes.

@@ -15,13 +15,20 @@ remote page in most formats (CPU attention keeps K transposed, LBHNC keeps heads
 When a request's last remote block holds fewer than k local blocks' tokens, there is no room to
 land the rest of its page, so those local blocks are not read: vLLM is told they failed to load
 (invalid block ids) and recomputes their tokens, fewer than nP, from the prompt.
+
+A hybrid model (several KV cache groups) is read group by group (``plan_hybrid_split_read``).
+vLLM's scheduler takes no invalid block ids from a model with several groups, so a request
+whose groups cannot all be read whole is recomputed instead, whole: one whose last remote block
+holds fewer than k local blocks' tokens, and one whose sliding-window tail starts inside a
+remote block (vLLM keeps the window's last blocks on each side, and the local block before such
+a tail, where the page's first sub-page would land, is not among them).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 
 class SplitError(RuntimeError):
@@ -93,3 +100,61 @@ def plan_split_read(
         list(remote_sub_blocks[local_computed : local_computed + n]),
         list(local[n:]),
     )
+
+
+def plan_hybrid_split_read(
+    kinds: Sequence[Literal["full", "sliding_window"]],
+    local: Sequence[Sequence[int]],
+    remote_sub_blocks: Sequence[Sequence[int]],
+    k: int,
+    local_computed: Sequence[int],
+) -> list[SplitRead] | str:
+    """Each group's read of one request of a hybrid model, every group in whole groups of k
+    local blocks; or why the request cannot be read so (it is then recomputed).
+
+    ``kinds``: each KV cache group's kind; ``local``: the local blocks vLLM would read into per
+    group (a sliding-window group's in-window tail); ``remote_sub_blocks``: the remote
+    sub-blocks per group, k per remote block (a sliding-window group's tail, of the prefill's
+    window); ``local_computed``: each group's blocks of a local prefix cache hit.
+
+    A full-attention group holds every block of the sequence on both sides, so it places the
+    sliding-window tails: each ends where the full group's lists end.
+    """
+    full = next((g for g, kind in enumerate(kinds) if kind == "full"), None)
+    if full is None:
+        return "no full-attention group places the sliding-window groups' blocks"
+    computed = [local_computed[g] if g < len(local_computed) else 0 for g in range(len(kinds))]
+    last = len(local[full]) + computed[full]  # the sequence's local blocks: every list ends there
+    remote_last = len(remote_sub_blocks[full])
+    plans: dict[int, SplitRead] = {}
+    for g, kind in enumerate(kinds):
+        if kind == "full":
+            plan = plan_split_read(local[g], remote_sub_blocks[g], k, computed[g])
+            if plan.unread:
+                return (
+                    f"group {g}: {len(plan.unread)} local blocks hold part of a remote block of "
+                    f"{k} (no group of a hybrid model can be recomputed alone)"
+                )
+            plans[g] = plan
+    for g, kind in enumerate(kinds):
+        tail, remote_tail = local[g], remote_sub_blocks[g]
+        if kind == "full":
+            continue
+        if not tail:
+            plans[g] = SplitRead([], [], [])
+            continue
+        first = last - len(tail)
+        offset = first - (remote_last - len(remote_tail))
+        if (
+            computed[g]
+            or first % k
+            or len(tail) % k
+            or not 0 <= offset <= len(remote_tail) - len(tail)
+        ):
+            return (
+                f"group {g} (sliding window): its {len(tail)} local blocks from block {first} "
+                f"are not whole remote blocks of {k} among the prefill's last "
+                f"{len(remote_tail) // k}"
+            )
+        plans[g] = SplitRead(list(tail), list(remote_tail[offset : offset + len(tail)]), [])
+    return [plans[g] for g in range(len(kinds))]

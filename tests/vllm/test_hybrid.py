@@ -6,7 +6,8 @@ gpt-oss name their layers; vLLM gives it two KV cache groups on one shared tenso
 request's ReadDone carries both groups (``groups``), and kvd rewrites each with its own
 coverage: at 32 -> 64 the window group reads one local block from two remote ones, the full
 group up to five from ten. A request whose window vLLM paired from different first tokens would
-be recomputed (``kvd.vllm.groups``); none is here.
+be recomputed (``kvd.vllm.groups``); none is here. At 64 -> 32, which vLLM refuses, each group's
+remote pages are read whole into pairs of local blocks and split by kvd (``kvd.vllm.split``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from tests.vllm.test_pd import MAX_TOKENS, Setup
 
 WINDOW = 32
 PAIRED_APART = re.compile(r"\(sliding window\): vLLM paired")
+SPLIT_RECOMPUTED = re.compile(r"is recomputed: group \d: 1 local blocks hold part of a remote")
 
 
 @pytest.fixture(scope="module")
@@ -79,19 +81,37 @@ def test_kvd_merges_a_hybrid_model_like_the_single_instance(
     assert not PAIRED_APART.findall(log) and recomputed(log) == (0, 0), result["log"]
 
 
-def test_kvd_refuses_larger_prefill_blocks_for_a_hybrid_model(
+def test_kvd_splits_larger_prefill_blocks_of_a_hybrid_model(
     hybrid: Setup, kvd: DaemonProcess
 ) -> None:
-    """64 -> 32: refused at the handshake by name, every request recomputed."""
-    result = hybrid.decode("64", 32, extra={"kvd_runtime_dir": str(kvd.runtime_dir)})
+    """64 -> 32: each group's pages read whole and split by kvd. Prompts of 40, 100 and 300
+    tokens (and the control) end in remote blocks holding more than one local block's tokens:
+    they decode the single instance's tokens from the transferred KV. An 80-token prompt's last
+    remote block holds 16 tokens, half a local pair: vLLM takes no failed blocks from a model
+    of several groups, so that request is recomputed whole, and still decodes its tokens."""
+    lengths = (40, 100, 300, 80)
+    request = {"op": "baseline", "prompts": prompts(lengths), "max_tokens": MAX_TOKENS}
+    baseline = hybrid.prefills["32"].call(request)
+    before = counters(kvd)
+    result = hybrid.decode(
+        "64", 32, extra={"kvd_runtime_dir": str(kvd.runtime_dir)}, prompt_lengths=lengths
+    )
     log = Path(result["log_file"]).read_text()
-    assert "with a hybrid model (2 KV cache groups) are not supported yet" in log
-    assert hybrid.mismatches(result, control=False) == [], result["log"]
+    expected = [*baseline, baseline[1]]  # the last request: the control, from prompt 1's KV
+    assert [r["token_ids"] for r in result["decode"]] == [r["token_ids"] for r in expected], result[
+        "log"
+    ]
+    after = counters(kvd)
+    assert after["ready"] - before["ready"] >= 4, "kvd did not answer the decode's requests"
+    assert after["blocks_processed"] > before["blocks_processed"], "kvd split no block"
+    assert after["failed"] == before["failed"]
+    assert len(SPLIT_RECOMPUTED.findall(log)) == 1, result["log"]
 
 
 def test_stock_vllm_on_the_hybrid_model(hybrid: Setup) -> None:
     """Stock vLLM 0.32, recorded for docs/vllm.md's table: right at 32 -> 32, every token
-    wrong at 32 -> 64 (no error), 64 -> 32 refused at the handshake and recomputed."""
+    wrong at 32 -> 64 (no error), 64 -> 32 refused at the handshake and recomputed (so the
+    control request decodes its own tokens)."""
     same = hybrid.decode("32", 32, connector="NixlConnector", module=None)
     assert hybrid.mismatches(same) == [], same["log"]
     merged = hybrid.decode("32", 64, connector="NixlConnector", module=None)
