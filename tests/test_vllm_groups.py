@@ -12,7 +12,14 @@ from typing import Any
 import pytest
 import torch
 
-from kvd.vllm.groups import Group, GroupError, distinct_regions, request_groups, transfer_groups
+from kvd.vllm.groups import (
+    Group,
+    GroupError,
+    distinct_regions,
+    request_groups,
+    state_layers,
+    transfer_groups,
+)
 
 FULL = Group("full", 32, ("model.layers.1.self_attn.attn",))
 WINDOW = Group("sliding_window", 32, ("model.layers.0.self_attn.attn",))
@@ -25,7 +32,7 @@ def config(*specs: Any) -> Any:
     return SimpleNamespace(transfer_groups=tuple(groups))
 
 
-def test_attention_groups_are_taken_and_state_groups_refused_by_name() -> None:
+def test_attention_and_state_groups_are_taken_and_other_kinds_refused_by_name() -> None:
     spec = pytest.importorskip("vllm.v1.kv_cache_interface")
     common = {"num_kv_heads": 2, "head_size": 64, "dtype": torch.float32}
     full = spec.FullAttentionSpec(block_size=32, **common)
@@ -35,11 +42,20 @@ def test_attention_groups_are_taken_and_state_groups_refused_by_name() -> None:
     assert found[0].layers == ("layer.0",)
     with pytest.raises(GroupError, match=r"KV cache group 1 \(FullAttentionSpec: layer.1\): "):
         transfer_groups(config(window, spec.FullAttentionSpec(block_size=64, **common)), 32)
+    # A state group's blocks are states, not tokens: any block size, never attached.
     mamba = spec.MambaSpec(
-        block_size=32, shapes=((4, 8),), dtypes=(torch.float32,), mamba_cache_mode="none"
+        block_size=1024, shapes=((4, 8),), dtypes=(torch.float32,), mamba_cache_mode="none"
     )
-    with pytest.raises(GroupError, match=r"group 1 \(MambaSpec: layer.1\): .* state \(Mamba\)"):
-        transfer_groups(config(full, mamba), 32)
+    found = transfer_groups(config(mamba, full), 32)
+    assert [g.kind for g in found] == ["state", "full"]
+    assert state_layers(found) == {"layer.0"}
+    with pytest.raises(GroupError, match=r"all state \(Mamba\) groups.*NixlConnector"):
+        transfer_groups(config(mamba), 32)
+    chunked = spec.ChunkedLocalAttentionSpec(block_size=32, attention_chunk_size=64, **common)
+    with pytest.raises(
+        GroupError, match=r"group 1 \(ChunkedLocalAttentionSpec: layer.1\): .* not proven here"
+    ):
+        transfer_groups(config(full, chunked), 32)
 
 
 def test_each_group_has_its_own_coverage() -> None:
@@ -54,6 +70,15 @@ def test_each_group_has_its_own_coverage() -> None:
     assert request_groups([WINDOW, FULL], [[7], [8]], [2, 2], 2) == [([7], 2), ([8], 2)]
     # An empty group (a window the request never reached) names no block.
     assert request_groups([WINDOW, FULL], [[], [8]], [0, 1], 2) == [([], 0), ([8], 1)]
+
+
+def test_state_groups_are_left_out_of_a_read_done() -> None:
+    state = Group("state", 1024, ("model.layers.0.mixer",))
+    assert request_groups([state, FULL], [[3], [8, 9]], [1, 4], 2) == [([8, 9], 4)]
+    assert request_groups([state, WINDOW, FULL], [[3], [9], [8, 9]], [1, 2, 4], 2) == [
+        ([9], 2),
+        ([8, 9], 4),
+    ]
 
 
 def test_windows_paired_from_different_first_tokens_are_recomputed() -> None:

@@ -139,6 +139,49 @@ MLA_HEADS, KV_LORA_RANK, QK_ROPE_HEAD_DIM, QK_NOPE_HEAD_DIM, V_HEAD_DIM = 4, 512
 (``get_supported_head_sizes``: 576); the per-head dims are free, so they stay small."""
 
 
+def make_mamba_model(directory: Path, seed: int = 0) -> Path:
+    """A 2-layer Nemotron-H, a Mamba-2 layer then an attention layer (as the real ones start),
+    seeded random weights, the Llama's sizes: vLLM gives it a state group and an attention
+    group on one shared cache, the Mamba state padded to the attention page's size. Its KV
+    transfer needs ``VLLM_SSM_CONV_STATE_LAYOUT=DS`` on both sides."""
+    import torch
+    import transformers
+
+    settings: dict[str, Any] = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_hidden_layers=LAYERS,
+        hybrid_override_pattern="M*",
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        attention_head_dim=HEAD_DIM,
+        mamba_num_heads=8,
+        mamba_head_dim=32,
+        n_groups=1,
+        ssm_state_size=16,
+        conv_kernel=4,
+        expand=1,
+        chunk_size=64,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    config = transformers.NemotronHConfig(**settings)
+    torch.manual_seed(seed)
+    model: Any = transformers.NemotronHForCausalLM(config)
+    model.to(torch.float32)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() >= 2:  # spread logits: a wrong state or block shows at once
+                parameter.normal_(0, 2.0 / math.sqrt(parameter.shape[-1]))
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
 def make_mla_model(directory: Path, seed: int = 0) -> Path:
     """A 2-layer DeepSeek-V2 with MLA (no q LoRA, no MoE: every MLP dense), seeded random
     weights, the Llama's hidden size and vocabulary: its KV cache is one 576-element latent

@@ -61,8 +61,20 @@ from kvd.client import (
 from kvd.cpus import CpuListError, format_cpus
 from kvd.dtypes import dtype_name
 from kvd.protocol import CACHE_ID_MAX, Event, MemoryRef, ShmRef, TensorSpec
-from kvd.vllm.formats import UnknownFormat, landed_format, page_format, remote_page_format
-from kvd.vllm.groups import GroupError, distinct_regions, request_groups, transfer_groups
+from kvd.vllm.formats import (
+    STATE_BACKENDS,
+    UnknownFormat,
+    landed_format,
+    page_format,
+    remote_page_format,
+)
+from kvd.vllm.groups import (
+    GroupError,
+    distinct_regions,
+    request_groups,
+    state_layers,
+    transfer_groups,
+)
 from kvd.vllm.holding import Held, Holding, Released, covered_sub_blocks
 from kvd.vllm.hooks import (
     WORKER_ATTRIBUTES,
@@ -244,7 +256,8 @@ class KvdWorker(NixlPullConnectorWorker):
                 "kvd_runtime_dir / KVD_RUNTIME_DIR"
             ) from exc
         io_cpus_note = self._place_io_thread(kvd_cpus)
-        specs = self._tensor_specs(kv_caches)
+        skipped = state_layers(self._groups)
+        specs = self._tensor_specs({n: t for n, t in kv_caches.items() if n not in skipped})
         if any(t.device.type == "cuda" for t in kv_caches.values()):
             from kvd.cudaipc import HandOffMarkers
 
@@ -286,11 +299,20 @@ class KvdWorker(NixlPullConnectorWorker):
         self.kvd = client
         return note
 
+    def _attention_backend(self) -> Any:
+        """The attention layers' backend: vLLM's ``backend_name`` is its first layer's, which
+        in a Mamba hybrid may be a state layer's."""
+        return next(
+            (b for b in self.attn_backends if b.get_name() not in STATE_BACKENDS),
+            self.attn_backends[0],
+        )
+
     def _page_format(self) -> str:
         cache_dtype = str(self.vllm_config.cache_config.cache_dtype)
-        if self.backend_name == "CPU_ATTN":
+        backend = self._attention_backend()
+        if backend.get_name() == "CPU_ATTN":
             try:
-                get_attn_isa = attn_isa_function(self.attn_backends[0])
+                get_attn_isa = attn_isa_function(backend)
             except VllmIncompatible as exc:
                 raise KvdConnectorError(str(exc)) from exc
             model_dtype = self.model_config.dtype
@@ -303,7 +325,7 @@ class KvdWorker(NixlPullConnectorWorker):
             )
         try:
             return page_format(
-                self.backend_name,
+                backend.get_name(),
                 self.kv_cache_layout,
                 isa=self._isa,
                 use_mla=self.use_mla,
@@ -358,10 +380,15 @@ class KvdWorker(NixlPullConnectorWorker):
         another TP size the format kvd is told is that of what the READs land
         (``landed_format``): this rank's heads, from one or several remote ranks."""
         remote_tp_size = int(args[1] if len(args) > 1 else kwargs.get("remote_tp_size", 1))
+        remote_backend = nixl_agent_meta.attn_backend_name
+        if remote_backend in STATE_BACKENDS:
+            # A hybrid prefill whose first layer is a state layer names that layer's backend:
+            # its attention layers are taken to use this engine's (same model, same vLLM).
+            remote_backend = self._attention_backend().get_name()
         try:
             fmt = landed_format(
                 remote_page_format(
-                    nixl_agent_meta.attn_backend_name,
+                    remote_backend,
                     nixl_agent_meta.kv_cache_layout,
                     local=self._local_format,
                     local_isa=self._isa,
@@ -380,6 +407,12 @@ class KvdWorker(NixlPullConnectorWorker):
             split = split_remote_pages(nixl_agent_meta, self.block_size)
         except SplitError as exc:
             raise KvdConnectorError(f"prefill engine {engine_id!r}: {exc}") from exc
+        if split > 1 and any(group.kind == "state" for group in self._groups):
+            raise KvdConnectorError(
+                f"prefill engine {engine_id!r}: blocks of {block_size} tokens into blocks of "
+                f"{self.block_size} with state (Mamba) groups are not supported (their regions "
+                "cannot be read as sub-pages)"
+            )
         if split > 1 and self.kv_transfer_config.kv_load_failure_policy != "recompute":
             raise KvdConnectorError(
                 f"prefill engine {engine_id!r}: blocks of {block_size} tokens into blocks of "

@@ -14,6 +14,11 @@ from kvd.layout.formats import PRESETS, head_slices_are_pages
 # their KVCacheLayout names are kvd presets of the same name (kvd.layout.formats.PRESETS).
 PACKED_KV_BACKENDS = ("FLASH_ATTN", "FLASHINFER")
 KV_CACHE_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+# vLLM 0.32's backends of state (Mamba-like) layers: their pages hold one state per block, which
+# kvd never rewrites (``kvd.vllm.groups``).
+STATE_BACKENDS = frozenset(
+    {"MAMBA1_ATTN", "MAMBA2_ATTN", "GDN_ATTN", "LINEAR_ATTN", "SHORT_CONV_ATTN"}
+)
 # vLLM's CPU attention ("CPU_ATTN") writes, per (block, head), K transposed [head_dim][block]
 # then V [block][head_dim] under these ISAs (checked by running cpu_attn_reshape_and_cache).
 CPU_ATTN_VEC_ISAS = ("vec", "vec16")

@@ -13,8 +13,11 @@ of 64 tokens, two remote blocks of 32: ``tests/vllm/test_hybrid.py``); kvd check
 request from the full-attention group's lengths, and a request whose tails start apart is
 recomputed: no rewrite of pages moves bytes between blocks.
 
-State groups (Mamba, whose blocks are one running state, not tokens) and the other kinds of
-group are refused by name at startup: kvd has no test here that proves their pages.
+State groups (Mamba, whose blocks each hold one running state, not tokens) move 1:1 at any
+block-size ratio, into decode pages laid out as the prefill's (vLLM reads only the state's
+bytes, never a page's padding): nothing to rewrite, so kvd is never told their blocks and never
+attaches their views of the cache. A model of state groups only has nothing for kvd to do. Other
+kinds of group are refused by name at startup.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 
 from kvd.vllm.holding import covered_sub_blocks
 
-GroupKind = Literal["full", "sliding_window"]
+GroupKind = Literal["full", "sliding_window", "state"]
 
 
 class GroupError(ValueError):
@@ -43,7 +46,8 @@ class Group:
 
 def transfer_groups(kv_cache_config: Any, block_size: int) -> list[Group]:
     """The groups of ``kv_cache_config`` (vLLM's ``KVCacheConfig``) whose blocks NIXL moves,
-    checked: attention groups, full or sliding-window, all with the worker's block size."""
+    checked: attention groups, full or sliding-window, all with the worker's block size, and
+    state (Mamba) groups, whose blocks are not tokens."""
     groups = getattr(kv_cache_config, "transfer_groups", None)
     if groups is None:
         groups = kv_cache_config.kv_cache_groups
@@ -58,10 +62,13 @@ def transfer_groups(kv_cache_config: Any, block_size: int) -> list[Group]:
             kind = "sliding_window"
         elif "FullAttentionSpec" in names and "SinkFullAttentionSpec" not in names:
             kind = "full"
+        elif "MambaSpec" in names:
+            found.append(Group("state", spec.block_size, layers))
+            continue
         else:
             raise GroupError(
-                f"{shown}: kvd.vllm takes full-attention and sliding-window groups; a state "
-                "(Mamba) or other group's pages are not proven here"
+                f"{shown}: kvd.vllm takes full-attention, sliding-window and state (Mamba) "
+                "groups; this kind's pages are not proven here"
             )
         if spec.block_size != block_size:
             raise GroupError(
@@ -69,7 +76,17 @@ def transfer_groups(kv_cache_config: Any, block_size: int) -> list[Group]:
                 "(groups of differing block sizes are not supported yet)"
             )
         found.append(Group(kind, spec.block_size, layers))
+    if all(group.kind == "state" for group in found):
+        raise GroupError(
+            "this model's KV cache groups are all state (Mamba) groups, which move as they are: "
+            "kvd has nothing to post-process (use vLLM's NixlConnector)"
+        )
     return found
+
+
+def state_layers(groups: Sequence[Group]) -> frozenset[str]:
+    """The layers of the state groups: kvd attaches none of their views of the cache."""
+    return frozenset(layer for group in groups if group.kind == "state" for layer in group.layers)
 
 
 def request_groups(
@@ -79,8 +96,9 @@ def request_groups(
     ratio: int,
     ranges: Sequence[range | None] = (),
 ) -> list[tuple[list[int], int]] | str:
-    """(local block ids, covered_sub_blocks) of each group of one request, as a ReadDone's
-    ``groups`` say them; or why no ReadDone can say them (the request is then recomputed).
+    """(local block ids, covered_sub_blocks) of each attention group of one request, as a
+    ReadDone's ``groups`` say them (state groups, never rewritten, are left out); or why no
+    ReadDone can say them (the request is then recomputed).
 
     ``local``: the request's local blocks per group (vLLM's ``local_physical_block_ids``);
     ``remote_counts``: how many remote blocks each group read; ``ratio``: nD / nP (>= 1);
@@ -89,6 +107,8 @@ def request_groups(
     full = next((g for g, group in enumerate(groups) if group.kind == "full"), None)
     parts: list[tuple[list[int], int]] = []
     for g, group in enumerate(groups):
+        if group.kind == "state":
+            continue
         blocks = [int(b) for b in local[g]]
         if not blocks:
             parts.append((blocks, 0))

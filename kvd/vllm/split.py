@@ -28,7 +28,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
+
+from kvd.vllm.groups import GroupKind
 
 
 class SplitError(RuntimeError):
@@ -103,7 +105,7 @@ def plan_split_read(
 
 
 def plan_hybrid_split_read(
-    kinds: Sequence[Literal["full", "sliding_window"]],
+    kinds: Sequence[GroupKind],
     local: Sequence[Sequence[int]],
     remote_sub_blocks: Sequence[Sequence[int]],
     k: int,
@@ -140,6 +142,8 @@ def plan_hybrid_split_read(
         tail, remote_tail = local[g], remote_sub_blocks[g]
         if kind == "full":
             continue
+        if kind == "state":
+            return f"group {g}: a state (Mamba) group's blocks cannot be read as sub-pages"
         if not tail:
             plans[g] = SplitRead([], [], [])
             continue
