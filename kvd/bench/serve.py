@@ -8,9 +8,9 @@ prompts; sizes and concurrency are options). Greedy text completions through the
 time and all at once, streamed and not, are compared with the prefill server's own (a single
 instance): kvd's must equal it; stock vLLM's CPU merge is wrong at differing block sizes.
 
-The servers run through ``kvd.bench.vllm_server`` (vLLM's own CLI; NIXL's progress thread off
-unless ``--nixl-progress-thread``: see that module). ``kvd.bench.serve_report`` turns each run's
-figures into the table and the targets.
+The servers run through ``kvd.bench.vllm_server`` (vLLM's own CLI; NIXL's progress thread
+waiting for UCX's events unless ``--nixl-progress-thread``: see that module).
+``kvd.bench.serve_report`` turns each run's figures into the table and the targets.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class Server:
             **os.environ,
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
             "VLLM_CPU_KVCACHE_SPACE": "1",
-            PROGRESS_THREAD_ENV: "1" if args.nixl_progress_thread else "0",
+            PROGRESS_THREAD_ENV: "busy" if args.nixl_progress_thread else "waits",
         }
         cmd = [
             sys.executable, "-m", "kvd.bench.vllm_server", "serve", str(model),
@@ -498,8 +498,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--nixl-progress-thread",
         action="store_true",
-        help="keep NIXL's progress thread where vLLM starts it (it polls with no pause: a core "
-        "each); kvd's decode follows its kvd_nixl_progress_thread (off on CPU)",
+        help="NIXL's progress thread as vLLM starts it (it polls with no pause: a core each) "
+        "in the stock servers, instead of one that waits for UCX's events; kvd's decode "
+        "follows its kvd_nixl_progress_thread (on CPU: one that waits)",
     )
     parser.add_argument("--keep", metavar="DIR", help="work in DIR and keep its logs and results")
     parser.add_argument("--json", action="store_true", help="print one JSON object")

@@ -45,7 +45,7 @@ import re
 import sys
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -60,6 +60,7 @@ from kvd.client import (
 )
 from kvd.cpus import CpuListError, format_cpus
 from kvd.dtypes import dtype_name
+from kvd.nixl.agent import progress_thread_waits
 from kvd.protocol import CACHE_ID_MAX, Event, MemoryRef, ShmRef, TensorSpec
 from kvd.vllm.formats import (
     STATE_BACKENDS,
@@ -131,25 +132,33 @@ class KvdConnectorError(RuntimeError):
     """The decode worker cannot use kvd; the message says what to change."""
 
 
-def nixl_progress_thread(setting: object, device_type: str) -> bool:
-    """``kvd_nixl_progress_thread``: ``auto`` (the default: off on CPU, on elsewhere), or a
-    boolean. NIXL's Python API starts its progress thread polling with no pause: from the
-    first transfer on it keeps a core busy, idle or not, and vLLM's CPU worker leaves it on the
-    CPU its engine threads do not use, where kvd runs. On CPU the engine progresses its agent
-    in its own steps, which it takes while any request waits for its READs."""
-    if setting in ("auto", None):
-        return device_type != "cpu"
-    if isinstance(setting, bool):
-        return setting
-    if str(setting).lower() in ("true", "false"):
-        return str(setting).lower() == "true"
-    raise KvdConnectorError(f"kvd_nixl_progress_thread: {setting!r} is not auto, true or false")
+ProgressThread = Literal["busy", "waits", "off"]
+
+
+def nixl_progress_thread(setting: object, device_type: str) -> ProgressThread:
+    """``kvd_nixl_progress_thread``: ``auto`` (the default: ``waits`` on CPU, vLLM's own
+    elsewhere), ``waits`` (a thread that waits for UCX's events), ``true`` (NIXL's thread as
+    vLLM starts it) or ``false`` (none).
+
+    NIXL's Python API starts its thread polling with no pause: from the first transfer on it
+    keeps a core busy, idle or not, and vLLM's CPU worker leaves it on the CPU its engine
+    threads do not use, where kvd runs. With no thread, a prefill whose engine went idle stops
+    serving the READs of its blocks until its next request (``kvd.nixl.agent``)."""
+    text = str(setting).lower() if setting is not None else "auto"
+    if text == "auto":
+        return "waits" if device_type == "cpu" else "busy"
+    modes: dict[str, ProgressThread] = {"waits": "waits", "true": "busy", "false": "off"}
+    if text in modes:
+        return modes[text]
+    raise KvdConnectorError(
+        f"kvd_nixl_progress_thread: {setting!r} is not auto, waits, true or false"
+    )
 
 
 @contextlib.contextmanager
-def nixl_agents(worker: type, *, progress_thread: bool) -> Iterator[None]:
-    """While vLLM's NIXL worker ``worker`` starts: its agent without NIXL's progress thread
-    unless ``progress_thread``. The worker builds its agent's config with the
+def nixl_agents(worker: type, *, progress_thread: ProgressThread) -> Iterator[None]:
+    """While vLLM's NIXL worker ``worker`` starts: its agent's progress thread as
+    ``progress_thread`` says. The worker builds its agent's config with the
     ``nixl_agent_config`` of its module (None where NIXL is not installed)."""
     module = next(
         (
@@ -160,8 +169,12 @@ def nixl_agents(worker: type, *, progress_thread: bool) -> Iterator[None]:
         ),
         None,
     )
-    if progress_thread or module is None:
+    if progress_thread == "busy" or module is None:
         yield
+        return
+    if progress_thread == "waits":
+        with progress_thread_waits():
+            yield
         return
     original = module.nixl_agent_config
     setattr(module, "nixl_agent_config", functools.partial(original, enable_prog_thread=False))  # noqa: B010
@@ -727,8 +740,22 @@ class KvdConnector(NixlPullConnector):
             self.connector_worker = None
         elif role == KVConnectorRole.WORKER:
             self.connector_scheduler = None
-            worker = self.worker_class if decode else NixlPullConnectorWorker
-            self.connector_worker = worker(vllm_config, self.engine_id, kv_cache_config)
+            if decode:
+                self.connector_worker = self.worker_class(
+                    vllm_config, self.engine_id, kv_cache_config
+                )
+                return
+            # A prefill worker is vLLM's own; only its NIXL progress thread follows the
+            # setting (on CPU one that waits: see nixl_progress_thread).
+            extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+            progress_thread = nixl_progress_thread(
+                extra.get("kvd_nixl_progress_thread", "auto"),
+                vllm_config.device_config.device_type,
+            )
+            with nixl_agents(NixlPullConnectorWorker, progress_thread=progress_thread):
+                self.connector_worker = NixlPullConnectorWorker(
+                    vllm_config, self.engine_id, kv_cache_config
+                )
 
     def get_mem_pool_context(self) -> Any:
         worker = self.connector_worker

@@ -63,12 +63,12 @@ def stock(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ser
     """A stock decode server of the recipe's block size, started before the recipe's servers
     move any KV: from its first transfer, NIXL's progress thread polls a core in the recipe's
     stock prefill, and a server starting beside it waits for CPU."""
-    # NIXL's progress thread off, as ``kvd bench serve`` runs stock: on, it keeps one of the two
-    # cores busy from the first transfer and every completion here took tens of seconds. Its
-    # worker may hang in execute_model (seen with the thread on and off, after decode-side
-    # prefix hits; py-spy: the worker's main thread running native code, no Python frame): its
-    # engine then dies at vLLM's execute-model timeout, 60 s here rather than 300, and its error
-    # answers count as other text.
+    # NIXL's progress thread waiting for UCX's events, as ``kvd bench serve`` runs stock:
+    # NIXL's own keeps one of the two cores busy from the first transfer and every completion
+    # here took tens of seconds. Its worker may hang in execute_model (seen with the thread on
+    # and off, after decode-side prefix hits; py-spy: the worker's main thread running native
+    # code, no Python frame): its engine then dies at vLLM's execute-model timeout, 60 s here
+    # rather than 300, and its error answers count as other text.
     args = argparse.Namespace(nixl_progress_thread=False, concurrency=4, prefix_caching=True)
     with pytest.MonkeyPatch.context() as env:
         env.setenv("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "60")
