@@ -471,8 +471,13 @@ class KvdWorker(NixlPullConnectorWorker):
     ) -> bool:
         """Read a split prefill engine's blocks in whole groups of k local blocks
         (``kvd.vllm.split``); the local blocks left out are reported invalid, for vLLM to
-        recompute their tokens."""
+        recompute their tokens. From smaller prefill blocks, read a decode-side prefix hit's
+        uncached blocks from the prefill's blocks of the same tokens (``_cached_prefix``)."""
         k = self._splits.get(dst_engine_id)
+        skip = self._cached_prefix(request_id, dst_engine_id) if k is None else 0
+        if skip:
+            remote = [list(ids)[skip:] for ids in read_spec.remote_block_ids]
+            read_spec = dataclasses.replace(read_spec, remote_block_ids=remote)
         if k is not None and any(read_spec.local_block_ids):
             meta = self._recving_metadata.get(request_id)
             computed = meta.local_num_computed_blocks if meta is not None else ()
@@ -508,6 +513,22 @@ class KvdWorker(NixlPullConnectorWorker):
             read_spec=read_spec, dst_engine_id=dst_engine_id, request_id=request_id, **kwargs
         )
         return ok
+
+    def _cached_prefix(self, request_id: str, engine_id: str) -> int:
+        """How many of a prefill engine's blocks hold a request's decode-side prefix hit, where
+        its blocks are smaller than this engine's (one group): 0 elsewhere.
+
+        vLLM 0.32 pairs the sub-blocks of the uncached local blocks with the prefill's *last*
+        blocks (``_apply_prefix_caching`` trims from the end): where the prompt ends inside a
+        local block, each lands that many places from where the local blocks want it. With the
+        prefix's prefill blocks dropped first, the lists start at the same token."""
+        meta = self._recving_metadata.get(request_id)
+        remote = self._remotes.get(engine_id)
+        if meta is None or remote is None or len(self._groups) != 1:
+            return 0
+        computed = getattr(meta, "local_num_computed_blocks", None) or (0,)
+        ratio = self.block_size // remote[1]
+        return int(computed[0]) * ratio if ratio > 1 else 0
 
     # -- the post-process, handed to kvd --------------------------------------------------------
 
@@ -616,9 +637,11 @@ class KvdWorker(NixlPullConnectorWorker):
             # token); earlier versions cover them from the first.
             ranges = getattr(meta, "covered_sub_blocks", None)
             covered_range = ranges[0] if ranges else None
-            covered = covered_sub_blocks(
-                len(local), ratio, len(meta.remote.block_ids[0]), covered_range
-            )
+            remote_blocks = len(meta.remote.block_ids[0])
+            if covered_range is None and ratio > 1:  # read from the first uncached token
+                computed = getattr(meta, "local_num_computed_blocks", None) or (0,)
+                remote_blocks -= int(computed[0]) * ratio
+            covered = covered_sub_blocks(len(local), ratio, remote_blocks, covered_range)
         state = link.state
         if state is State.GONE or covered is None:
             # No kvd to wait for, or landed blocks a ReadDone cannot describe: vLLM recomputes.

@@ -48,6 +48,8 @@ def covered_sub_blocks(
     a local block (``remote_blocks % ratio``), every sub-block then lands that many places
     from where the local blocks want it, bytes of the cached prefix first. No rewrite of these
     pages puts them right, so the ReadDone cannot say it: None, and the request is recomputed.
+    ``KvdWorker`` reads such a request from its first uncached token instead and counts
+    ``remote_blocks`` from there, which this never refuses.
     """
     if covered is None:
         if local_blocks * ratio < remote_blocks and remote_blocks % ratio:

@@ -149,6 +149,11 @@ def test_kvd_decodes_the_single_instances_text(recipe: Path, model: Path) -> Non
         assert [c.cache_id for c in kvd.status().caches], "the decode attached no cache to kvd"
     check = greedy_check(PROXY, PREFILL, model, check_prompts(3), max_tokens=16)
     assert check["equal"] == check["of"] and not check["errors"], check
+    # Each prompt is sent four times: after the first, the decode's prefix cache holds all but
+    # its last blocks, and kvd reads the rest from the prefill's blocks of the same tokens
+    # (KvdWorker._cached_prefix) instead of having vLLM recompute them.
+    log = (recipe.parent.parent / "recipe.log").read_text(errors="replace")
+    assert "is recomputed" not in log, [line for line in log.splitlines() if "recomputed" in line]
 
 
 def test_a_stock_decode_decodes_other_text(recipe: Path, model: Path, stock: Server) -> None:
