@@ -13,6 +13,7 @@ from kvd.vllm.split import (
     plan_hybrid_split_read,
     plan_split_read,
     split_remote_pages,
+    split_unsupported,
 )
 
 
@@ -155,3 +156,13 @@ def test_a_hybrid_model_without_a_full_attention_group_is_not_read() -> None:
     local, remote = hybrid_lists(100, 2)
     plans = plan_hybrid_split_read(["sliding_window"], local[1:], remote[1:], 2, [0])
     assert isinstance(plans, str) and "no full-attention group" in plans
+
+
+def test_larger_prefill_blocks_are_read_only_where_proven() -> None:
+    assert split_unsupported(1, local_tp=2, remote_tp=1, state_groups=True) is None
+    assert split_unsupported(2, local_tp=1, remote_tp=1, state_groups=False) is None
+    why = split_unsupported(2, local_tp=2, remote_tp=1, state_groups=False)
+    assert why is not None and why.startswith("a prefill at TP 1 with blocks 2 times")
+    assert split_unsupported(2, local_tp=1, remote_tp=2, state_groups=False) is not None
+    why = split_unsupported(4, local_tp=1, remote_tp=1, state_groups=True)
+    assert why is not None and "state (Mamba)" in why

@@ -102,6 +102,7 @@ from kvd.vllm.split import (
     plan_hybrid_split_read,
     plan_split_read,
     split_remote_pages,
+    split_unsupported,
 )
 from kvd.vllm.stats import HandoffStats
 from kvd.vllm.tp import as_equal_blocks, lifts, split_sub_blocks
@@ -420,11 +421,16 @@ class KvdWorker(NixlPullConnectorWorker):
             split = split_remote_pages(nixl_agent_meta, self.block_size)
         except SplitError as exc:
             raise KvdConnectorError(f"prefill engine {engine_id!r}: {exc}") from exc
-        if split > 1 and any(group.kind == "state" for group in self._groups):
+        refused = split_unsupported(
+            split,
+            local_tp=int(self.transfer_topo.tp_size),
+            remote_tp=remote_tp_size,
+            state_groups=any(group.kind == "state" for group in self._groups),
+        )
+        if refused:
             raise KvdConnectorError(
                 f"prefill engine {engine_id!r}: blocks of {block_size} tokens into blocks of "
-                f"{self.block_size} with state (Mamba) groups are not supported (their regions "
-                "cannot be read as sub-pages)"
+                f"{self.block_size} are not supported here: {refused}"
             )
         if split > 1 and self.kv_transfer_config.kv_load_failure_policy != "recompute":
             raise KvdConnectorError(

@@ -73,6 +73,26 @@ def split_remote_pages(meta: Any, local_block_size: int) -> int:
     return k
 
 
+def split_unsupported(k: int, *, local_tp: int, remote_tp: int, state_groups: bool) -> str | None:
+    """Why a prefill engine whose pages split into k = nP / nD sub-pages cannot be read so;
+    None when it can (or k is 1).
+
+    At another TP size vLLM picks a rank's heads by byte offsets within a page, but a sub-page
+    here is a byte range of the page, not its tokens of every head: the two do not compose
+    (no test here shows them right, so they are refused). A state group's regions are whole
+    states, not pages of tokens."""
+    if k <= 1:
+        return None
+    if local_tp != remote_tp:
+        return (
+            f"a prefill at TP {remote_tp} with blocks {k} times this engine's (TP {local_tp}): "
+            "larger prefill blocks are read only at the same TP size"
+        )
+    if state_groups:
+        return "state (Mamba) groups' regions cannot be read as sub-pages"
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class SplitRead:
     """One request's READ from a split remote: ``local[q]`` receives remote sub-page
