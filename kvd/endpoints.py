@@ -65,7 +65,7 @@ def client_runtime_dir(
     Not ``$RUNTIME_DIRECTORY``: in a client's environment that is its own unit's directory.
     """
     env = os.environ if environ is None else environ
-    fallback = Path(f"/tmp/kvd-{os.getuid()}") / gpu
+    fallback = default_runtime_dir(gpu, {})  # kvd serve's own, with no directory in its env
     candidates = [system_dir / gpu, fallback]
     if env.get("XDG_RUNTIME_DIR"):
         candidates.insert(0, Path(env["XDG_RUNTIME_DIR"]) / "kvd" / gpu)

@@ -156,6 +156,21 @@ def nixl_progress_thread(setting: object, device_type: str) -> ProgressThread:
     )
 
 
+def prefix_remote_blocks(meta: Any, ratio: int) -> int:
+    """The prefill's blocks of a request's decode-side prefix hit, ``ratio`` (> 1) per local
+    block of it (``meta``: vLLM's receive metadata); 0 at ratio 1, where vLLM pairs right."""
+    computed = getattr(meta, "local_num_computed_blocks", None) or (0,)
+    return int(computed[0]) * ratio if ratio > 1 else 0
+
+
+def configured_progress_thread(vllm_config: Any) -> ProgressThread:
+    """``nixl_progress_thread`` of an engine's ``kv_connector_extra_config``."""
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+    return nixl_progress_thread(
+        extra.get("kvd_nixl_progress_thread", "auto"), vllm_config.device_config.device_type
+    )
+
+
 @contextlib.contextmanager
 def nixl_agents(worker: type, *, progress_thread: ProgressThread) -> Iterator[None]:
     """While vLLM's NIXL worker ``worker`` starts: its agent's progress thread as
@@ -195,9 +210,7 @@ class KvdWorker(NixlPullConnectorWorker):
 
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
-        progress_thread = nixl_progress_thread(
-            extra.get("kvd_nixl_progress_thread", "auto"), vllm_config.device_config.device_type
-        )
+        progress_thread = configured_progress_thread(vllm_config)
         with nixl_agents(type(self), progress_thread=progress_thread):
             super().__init__(vllm_config, engine_id, kv_cache_config)
         if missing := missing_attributes(self, WORKER_ATTRIBUTES):
@@ -532,9 +545,7 @@ class KvdWorker(NixlPullConnectorWorker):
         remote = self._remotes.get(engine_id)
         if meta is None or remote is None or len(self._groups) != 1:
             return 0
-        computed = getattr(meta, "local_num_computed_blocks", None) or (0,)
-        ratio = self.block_size // remote[1]
-        return int(computed[0]) * ratio if ratio > 1 else 0
+        return prefix_remote_blocks(meta, self.block_size // remote[1])
 
     # -- the post-process, handed to kvd --------------------------------------------------------
 
@@ -644,9 +655,8 @@ class KvdWorker(NixlPullConnectorWorker):
             ranges = getattr(meta, "covered_sub_blocks", None)
             covered_range = ranges[0] if ranges else None
             remote_blocks = len(meta.remote.block_ids[0])
-            if covered_range is None and ratio > 1:  # read from the first uncached token
-                computed = getattr(meta, "local_num_computed_blocks", None) or (0,)
-                remote_blocks -= int(computed[0]) * ratio
+            if covered_range is None:  # read from the first uncached token (_cached_prefix)
+                remote_blocks -= prefix_remote_blocks(meta, ratio)
             covered = covered_sub_blocks(len(local), ratio, remote_blocks, covered_range)
         state = link.state
         if state is State.GONE or covered is None:
@@ -776,11 +786,7 @@ class KvdConnector(NixlPullConnector):
                 return
             # A prefill worker is vLLM's own; only its NIXL progress thread follows the
             # setting (on CPU one that waits: see nixl_progress_thread).
-            extra = vllm_config.kv_transfer_config.kv_connector_extra_config
-            progress_thread = nixl_progress_thread(
-                extra.get("kvd_nixl_progress_thread", "auto"),
-                vllm_config.device_config.device_type,
-            )
+            progress_thread = configured_progress_thread(vllm_config)
             with nixl_agents(NixlPullConnectorWorker, progress_thread=progress_thread):
                 self.connector_worker = NixlPullConnectorWorker(
                     vllm_config, self.engine_id, kv_cache_config

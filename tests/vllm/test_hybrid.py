@@ -20,12 +20,10 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm is not installed (pip install -e '.[vllm]')")
 
-from kvd.bench.vllm import Prefill
 from kvd.bench.vllm_engine import make_model, prompts
-from kvd.client import Client
 from kvd.daemon_process import DaemonProcess
 from tests.vllm.test_larger_prefill_blocks import REFUSAL, recomputed
-from tests.vllm.test_pd import MAX_TOKENS, Setup
+from tests.vllm.test_pd import MAX_TOKENS, Setup, counters, stock_prefills
 
 WINDOW = 32
 PAIRED_APART = re.compile(r"\(sliding window\): vLLM paired")
@@ -37,20 +35,8 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     """Stock prefill instances with blocks of 32 and 64, and the single-instance baseline."""
     work = tmp_path_factory.mktemp("vllm-hybrid")
     model = make_model(work / "tiny-hybrid", sliding_window=WINDOW)
-    prefills = {str(n): Prefill(work, model, "NixlConnector", None, n) for n in (32, 64)}
-    try:
-        for server in prefills.values():
-            server.wait_ready()
-        request = {"op": "baseline", "prompts": prompts(), "max_tokens": MAX_TOKENS}
-        yield Setup(work, model, prefills, prefills["32"].call(request))
-    finally:
-        for server in prefills.values():
-            server.kill()
-
-
-def counters(kvd: DaemonProcess) -> dict[str, int]:
-    with Client(kvd.runtime_dir) as client:
-        return client.status().counters
+    with stock_prefills(work, model, (32, 64), baseline_from=32) as setup:
+        yield setup
 
 
 def test_kvd_decodes_a_hybrid_model_like_the_single_instance_at_equal_blocks(

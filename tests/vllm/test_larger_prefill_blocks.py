@@ -19,11 +19,10 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm is not installed (pip install -e '.[vllm]')")
 
-from kvd.bench.vllm import Prefill
-from kvd.bench.vllm_engine import make_model, prompts
+from kvd.bench.vllm_engine import make_model
 from kvd.client import Client
 from kvd.daemon_process import DaemonProcess
-from tests.vllm.test_pd import MAX_TOKENS, Setup
+from tests.vllm.test_pd import Setup, stock_prefills
 
 REFUSAL = "Local block size 32 is not divisible by remote block size 64 or vice versa"
 RECOVERED = re.compile(
@@ -37,15 +36,8 @@ def larger(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     baseline (the same at any block size)."""
     work = tmp_path_factory.mktemp("vllm-larger")
     model = make_model(work / "tiny-llama")
-    prefills = {str(n): Prefill(work, model, "NixlConnector", None, n) for n in (64, 128)}
-    try:
-        for server in prefills.values():
-            server.wait_ready()
-        request = {"op": "baseline", "prompts": prompts(), "max_tokens": MAX_TOKENS}
-        yield Setup(work, model, prefills, prefills["64"].call(request))
-    finally:
-        for server in prefills.values():
-            server.kill()
+    with stock_prefills(work, model, (64, 128), baseline_from=64) as setup:
+        yield setup
 
 
 def recomputed(log: str) -> tuple[int, int]:

@@ -11,7 +11,6 @@ was used. vLLM picks 128-token attention blocks on CPU for this model by default
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,11 +18,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm is not installed (pip install -e '.[vllm]')")
 
-from kvd.bench.vllm import Prefill
-from kvd.bench.vllm_engine import make_mamba_model, prompts
-from kvd.client import Client
+from kvd.bench.vllm_engine import make_mamba_model
 from kvd.daemon_process import DaemonProcess
-from tests.vllm.test_pd import MAX_TOKENS, Setup
+from tests.vllm.test_pd import Setup, counters, stock_prefills
 
 CONV_LAYOUT = "VLLM_SSM_CONV_STATE_LAYOUT"
 
@@ -33,26 +30,10 @@ def mamba(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     """Stock prefill instances with blocks of 64 and 128, and the single-instance baseline."""
     work = tmp_path_factory.mktemp("vllm-mamba")
     model = make_mamba_model(work / "tiny-nemotron-h")
-    before = os.environ.get(CONV_LAYOUT)
-    os.environ[CONV_LAYOUT] = "DS"  # vLLM's NIXL transfer of Mamba state asks for it
-    prefills = {str(n): Prefill(work, model, "NixlConnector", None, n) for n in (64, 128)}
-    try:
-        for server in prefills.values():
-            server.wait_ready()
-        request = {"op": "baseline", "prompts": prompts(), "max_tokens": MAX_TOKENS}
-        yield Setup(work, model, prefills, prefills["128"].call(request))
-    finally:
-        for server in prefills.values():
-            server.kill()
-        if before is None:
-            os.environ.pop(CONV_LAYOUT, None)
-        else:
-            os.environ[CONV_LAYOUT] = before
-
-
-def counters(kvd: DaemonProcess) -> dict[str, int]:
-    with Client(kvd.runtime_dir) as client:
-        return client.status().counters
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(CONV_LAYOUT, "DS")  # vLLM's NIXL transfer of Mamba state asks for it
+        with stock_prefills(work, model, (64, 128), baseline_from=128) as setup:
+            yield setup
 
 
 @pytest.mark.parametrize("prefill", ["128", "64"])

@@ -10,6 +10,7 @@ used what it received. Skipped when vllm cannot be imported (``.ci/run`` install
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 from collections.abc import Iterator
@@ -65,6 +66,28 @@ class Setup:
             for i, (want, got) in enumerate(zip(expected, decoded, strict=False))
             if want["token_ids"] != got["token_ids"]
         ]
+
+
+@contextlib.contextmanager
+def stock_prefills(
+    work: Path, model: Path, block_sizes: tuple[int, ...], baseline_from: int
+) -> Iterator[Setup]:
+    """Stock prefill instances, one per block size (named by it), and the single-instance
+    baseline from the one of ``baseline_from`` (the same at any block size)."""
+    prefills = {str(n): Prefill(work, model, "NixlConnector", None, n) for n in block_sizes}
+    try:
+        for server in prefills.values():
+            server.wait_ready()
+        request = {"op": "baseline", "prompts": prompts(), "max_tokens": MAX_TOKENS}
+        yield Setup(work, model, prefills, prefills[str(baseline_from)].call(request))
+    finally:
+        for server in prefills.values():
+            server.kill()
+
+
+def counters(kvd: DaemonProcess) -> dict[str, int]:
+    with Client(kvd.runtime_dir) as client:
+        return client.status().counters
 
 
 @pytest.fixture(scope="module")
