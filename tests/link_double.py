@@ -14,7 +14,7 @@ class StepLink:
         from kvd.vllm.link import State
 
         self.sent: list[bytes] = []
-        self.inbox: collections.deque[tuple[object, int]] = collections.deque()
+        self.inbox: collections.deque[tuple[object, int, float]] = collections.deque()
         self.steps = 0
         self.state = State.UP
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from typing import Any
 
+from kvd.bench.serve import prompt_seed
 from kvd.bench.serve_report import CONNECTORS, repeated_report, run_report, table
 
 
@@ -63,16 +64,28 @@ def test_the_table_names_misses_failures_and_what_the_machine_did() -> None:
     )  # fmt: skip
     args = argparse.Namespace(
         num_prompts=24, input_len=600, output_len=48, concurrency=4, prefill_block=32,
-        decode_block=64,
+        decode_block=64, prompts="distinct",
     )  # fmt: skip
     text = "\n".join(table(report, args))
-    assert "medians of 3 runs" in text
+    assert "medians of 3 runs; 24 requests (distinct prompts) of 600 -> 48 tokens" in text
     assert "met    request throughput >= 1.0x stock: 1.05x (2 of 3 runs)" in text
     assert "failed requests: stock 0, kvd 2" in text
     assert "greedy text equal to a single instance's, kvd: 16 of 16" in text
     assert "kept a ready thread off its core for 3.0s" in text
     assert "reads of blocks past their lease" in text
     assert "left its cache attached to kvd" in text
+
+
+def test_distinct_prompts_are_new_to_every_run_and_server() -> None:
+    """Distinct prompts never repeat (no prefix-cache hit on either side); repeated ones do."""
+    seeds = [
+        prompt_seed(argparse.Namespace(seed=7, prompts="distinct"), index, connector)
+        for index in range(3)
+        for connector in CONNECTORS
+    ]
+    assert len(set(seeds)) == len(seeds) and 7 not in seeds
+    repeated = argparse.Namespace(seed=7, prompts="repeated")
+    assert {prompt_seed(repeated, i, c) for i in range(3) for c in CONNECTORS} == {7}
 
 
 def test_bad_sizes_are_usage_errors_naming_the_option() -> None:

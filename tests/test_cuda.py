@@ -776,7 +776,8 @@ def test_kvd_vllm_hands_off_behind_one_marker_per_step_and_frees_it_when_answere
     assert markers["r1"] == markers["r2"] != markers["r3"]
     assert [(n, s) for _, n, s in engine.calls] == [(0, "compute-stream"), (1, "compute-stream")]
     for req_id in ("r1", "r2"):
-        link.inbox.append((Ready(req_id=req_id, cache_id="vllm.e.0", physical_block_ids=[]), 0))
+        ready = Ready(req_id=req_id, cache_id="vllm.e.0", physical_block_ids=[])
+        link.inbox.append((ready, 0, 0.0))
     released = step("r4")
     assert released.finished_recving >= {"r1", "r2"}
     engine.current = "another-stream"

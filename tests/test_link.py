@@ -19,6 +19,7 @@ from kvd.client import AsyncClient, Client, ShmCache, read_done_message
 from kvd.cpus import CpuListError
 from kvd.daemon_process import DaemonProcess
 from kvd.protocol import Ready
+from kvd.vllm.holding import Released
 from kvd.vllm.link import (
     Attachment,
     GiveUp,
@@ -65,7 +66,7 @@ def next_notice(link: KvdLink, timeout: float = 30.0) -> Notice:
         if time.monotonic() > deadline:
             raise AssertionError(f"no notice within {timeout}s (link {link.state})")
         time.sleep(0.005)
-    notice, _ = link.inbox.popleft()
+    notice, _, _ = link.inbox.popleft()
     return notice
 
 
@@ -145,13 +146,14 @@ def test_closing_the_link_detaches_its_cache_at_once(cache: ShmCache) -> None:
 def test_stats_stay_bounded_however_long_the_run(cache: ShmCache) -> None:
     stats = HandoffStats()
     for _ in range(30_000):
-        stats.step(1e-5, 1, 0, [1e-3], [1])
+        stats.step(1e-5, 1, Released(latencies_s=[1e-3], answered_s=[5e-4]), [1])
     stats.absorb()
     report = stats.report()
     assert report["requests"] == 30_000
     assert report["handoff"]["count"] == 30_000
     assert len(report["handoff"]["recent_s"]) <= 10_000
     assert len(report["ready_latency"]["recent_s"]) <= 10_000
+    assert len(report["answer_latency"]["recent_s"]) <= 10_000
     assert report["steps_to_release"] == {"1": 30_000}
 
 

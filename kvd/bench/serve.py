@@ -58,7 +58,9 @@ Figures per decode connector (vllm bench serve's, over the timed requests):
   TTFT           time to first token, p50 and p99 (and the longest), ms
   TPOT, ITL      time per output token and inter-token latency, p50 and p99, ms
   e2e            request latency, p50 and p99, ms
-  ready          kvd's ReadDone -> Ready as the connector saw it, p50 and max, ms (kvd only)
+  ready          kvd's ReadDone -> Ready as the connector saw it, p50 and max, ms (kvd only):
+                 the request's release, at the engine's next step after the answer
+  answer         ReadDone -> kvd's answer at the connector's link thread, p50, ms (kvd only)
   hand-off       the engine thread's time handing requests to kvd, sum and max, ms (kvd only)
 Targets, on the medians of the runs: throughput >= stock, TTFT p50 <= 1.05x and p99 <= 1.0x
 stock's, ITL p99 <= stock's, e2e p50 <= stock's.
@@ -232,9 +234,17 @@ def greedy_check(
 
 
 def load_run(
-    work: Path, tag: str, proxy: str, model: Path, args: argparse.Namespace, *, warmups: int
+    work: Path,
+    tag: str,
+    proxy: str,
+    model: Path,
+    args: argparse.Namespace,
+    *,
+    warmups: int,
+    seed: int,
 ) -> dict[str, Any]:
-    """One ``vllm bench serve`` through the proxy; its result as saved (per request too)."""
+    """One ``vllm bench serve`` through the proxy, its random prompts drawn from ``seed``; its
+    result as saved (per request too)."""
     name = f"{tag}.json"
     cmd = [
         sys.executable, "-m", "kvd.vllm.cli", "bench", "serve",
@@ -249,7 +259,7 @@ def load_run(
         "--num-warmups", str(warmups),
         "--ignore-eos",
         "--temperature", "0",
-        "--seed", str(args.seed),
+        "--seed", str(seed),
         "--percentile-metrics", "ttft,tpot,itl,e2el",
         "--metric-percentiles", "50,99",
         "--save-result", "--save-detailed",
@@ -394,7 +404,13 @@ def run(args: argparse.Namespace) -> int:
                     since = time.time()
                     cpu_before = read_cpu(kvd_pid)
                     result = load_run(
-                        work, f"run{index}-{connector}", proxy, model, args, warmups=warmups
+                        work,
+                        f"run{index}-{connector}",
+                        proxy,
+                        model,
+                        args,
+                        warmups=warmups,
+                        seed=prompt_seed(args, index, connector),
                     )
                     measured[connector] = {
                         "result": result,
@@ -424,6 +440,15 @@ def run(args: argparse.Namespace) -> int:
     else:
         print("\n".join(table(report, args)))
     return 0
+
+
+def prompt_seed(args: argparse.Namespace, index: int, connector: str) -> int:
+    """The seed of run ``index``'s prompts for ``connector``'s decode server: ``--seed`` for
+    repeated prompts; with distinct prompts, one seed per run and server, so that no request
+    finds its prompt in the prefill's or the decode's prefix cache."""
+    if args.prompts == "repeated":
+        return int(args.seed)
+    return int(args.seed) + 1 + index * len(CONNECTORS) + CONNECTORS.index(connector)
 
 
 def _cpu_seconds(before: Any, after: Any) -> float:
@@ -489,6 +514,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="greedy tokens per compared prompt (default 16)",
     )
     parser.add_argument("--seed", type=int, default=0, help="the random dataset's seed (default 0)")
+    parser.add_argument(
+        "--prompts",
+        choices=("repeated", "distinct"),
+        default="repeated",
+        help="repeated: the same seeded prompts in every run (after the first, each request "
+        "finds all but its last blocks in both servers' prefix caches); distinct: new prompts "
+        "for every run and decode server (each request's whole prompt is prefilled and read). "
+        "Default repeated",
+    )
     parser.add_argument(
         "--no-prefix-caching",
         dest="prefix_caching",

@@ -76,6 +76,9 @@ def connector_figures(measured: dict[str, Any]) -> dict[str, Any]:
         figures["kvd_requests"] = requests
         figures["ready_p50_ms"] = ms(recent, 0.5) if recent else math.nan
         figures["ready_max_ms"] = ms(recent, 1.0) if recent else math.nan
+        answered = after.get("answer_latency", {}).get("recent_s", [])
+        answered = answered[-requests:] if requests else []
+        figures["answered_p50_ms"] = ms(answered, 0.5) if answered else math.nan
         handoff_before = before.get("handoff", {}).get("sum_s", 0.0)
         figures["handoff_sum_ms"] = 1000 * (
             after.get("handoff", {}).get("sum_s", 0.0) - handoff_before
@@ -133,7 +136,7 @@ def table(report: dict[str, Any], args: argparse.Namespace) -> list[str]:
     runs = report["runs"]
     title = f"medians of {len(runs)} runs" if len(runs) > 1 else "one run"
     lines = [
-        f"kvd bench serve: {title}; {args.num_prompts} requests of "
+        f"kvd bench serve: {title}; {args.num_prompts} requests ({args.prompts} prompts) of "
         f"{args.input_len} -> {args.output_len} tokens at concurrency {args.concurrency}, "
         f"prefill block {args.prefill_block} -> decode block {args.decode_block}",
         "",
@@ -151,6 +154,7 @@ def table(report: dict[str, Any], args: argparse.Namespace) -> list[str]:
     for key, label in (
         ("ready_p50_ms", "kvd ReadDone->Ready p50 ms"),
         ("ready_max_ms", "kvd ReadDone->Ready max ms"),
+        ("answered_p50_ms", "kvd answer at the link p50 ms"),
         ("handoff_sum_ms", "hand-offs, engine thread, sum ms"),
         ("handoff_max_ms", "hand-off, engine thread, max ms"),
     ):

@@ -599,15 +599,9 @@ class KvdWorker(NixlPullConnectorWorker):
             results.finished_recving |= released.finished
             results.failed_recving |= released.failed
             if handed_off or released.finished:
-                self.stats.step(
-                    time.perf_counter() - started,
-                    handed_off,
-                    len(released.failed),
-                    released.latencies_s,
-                    waits,
-                )
+                self.stats.step(time.perf_counter() - started, handed_off, released, waits)
         elif handed_off:
-            self.stats.step(time.perf_counter() - started, handed_off, 0, [], [])
+            self.stats.step(time.perf_counter() - started, handed_off)
         return results
 
     def _hand_off(
@@ -719,23 +713,25 @@ class KvdWorker(NixlPullConnectorWorker):
         sends what could not go before."""
         released = Released()
         events: list[Event] = []
+        arrived: list[float] = []
         waits: list[int] = []
         inbox = link.inbox
         while inbox:
-            notice, queued_at = inbox.popleft()
+            notice, queued_at, arrived_at = inbox.popleft()
             if isinstance(notice, Resend):
                 self._unsent = self._holding.resend()
             elif isinstance(notice, GiveUp):
                 self._unsent = []
-                released.merge(self._holding.answer(events))
-                events = []
+                released.merge(self._holding.answer(events, arrived))
+                events, arrived = [], []
                 released.merge(self._holding.give_up())
             else:
                 events.append(notice)
+                arrived.append(arrived_at)
                 # Steps from the one before kvd's answer reached the link to its release: 1 when
                 # it is released in the first step after it.
                 waits.append(link.steps - queued_at)
-        released.merge(self._holding.answer(events))
+        released.merge(self._holding.answer(events, arrived))
         if self._markers is not None:
             for marker in released.markers:
                 self._markers.drop(marker)

@@ -69,7 +69,9 @@ class Released:
     finished: set[str] = field(default_factory=set)
     failed: set[str] = field(default_factory=set)
     latencies_s: list[float] = field(default_factory=list)
-    """ReadDone sent to event received, per request answered by kvd."""
+    """ReadDone sent to the request's release, per request answered by kvd."""
+    answered_s: list[float] = field(default_factory=list)
+    """ReadDone sent to kvd's answer reaching the link's thread, per request answered."""
     markers: list[bytes] = field(default_factory=list)
     """The hand-off markers the released requests carried, one entry per request."""
 
@@ -77,6 +79,7 @@ class Released:
         self.finished |= other.finished
         self.failed |= other.failed
         self.latencies_s += other.latencies_s
+        self.answered_s += other.answered_s
         self.markers += other.markers
 
 
@@ -95,17 +98,20 @@ class Holding:
     def hold(self, request: Held) -> None:
         self._held[request.req_id] = request
 
-    def answer(self, events: list[Event]) -> Released:
+    def answer(self, events: list[Event], arrived_at: list[float] | None = None) -> Released:
         """The requests kvd's events settle; events of requests not held are ignored (a
-        repeated answer after a re-send, another engine's request on the refusals topic)."""
+        repeated answer after a re-send, another engine's request on the refusals topic).
+        ``arrived_at``: when each event reached the link's thread (``time.monotonic()``)."""
         out = Released()
         now = time.monotonic()
-        for event in events:
+        for i, event in enumerate(events):
             held = self._held.pop(event.req_id, None)
             if held is None:
                 continue
             out.finished.add(held.req_id)
             out.latencies_s.append(now - held.sent_at)
+            if arrived_at is not None:
+                out.answered_s.append(arrived_at[i] - held.sent_at)
             if held.cuda_event:
                 out.markers.append(held.cuda_event)
             if isinstance(event, Failed):

@@ -139,7 +139,7 @@ class KvdLink:
         self.client = client
         self.attachment = attachment
         self.down_timeout_s = down_timeout_s
-        self.inbox: deque[tuple[Notice, int]] = deque()
+        self.inbox: deque[tuple[Notice, int, float]] = deque()
         """Notices, each with the engine's ``steps`` when it was queued."""
         self.steps = 0
         """Engine steps so far: the engine's thread counts them, the link stamps notices."""
@@ -261,7 +261,7 @@ class KvdLink:
         return True
 
     def _post(self, notice: Notice) -> None:
-        self.inbox.append((notice, self.steps))
+        self.inbox.append((notice, self.steps, time.monotonic()))
 
     def _check_alive(self) -> None:
         assert self.client.runtime_dir is not None

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
+from kvd.vllm.holding import Released
+
 WINDOW = 10_000
 """Samples kept per figure for percentiles."""
 
@@ -41,11 +43,14 @@ class _Figure:
 
 class HandoffStats:
     def __init__(self) -> None:
-        self._steps: deque[tuple[float, int, int, list[float], list[int]]] = deque()
+        self._steps: deque[tuple[float, int, Released | None, list[int] | None]] = deque()
         self.requests = 0
         self.failed = 0
         self.handoff = _Figure()
         self.ready_latency = _Figure()
+        self.answer_latency = _Figure()
+        """ReadDone sent -> kvd's answer at the link's thread: kvd's time and the sockets', not
+        the wait for the engine's next step."""
         self.steps_to_release: dict[int, int] = {}
         """Engine steps from kvd's answer to the request's release -> requests (1: the next)."""
         self.version = 0
@@ -54,27 +59,29 @@ class HandoffStats:
         self,
         seconds: float,
         handed_off: int,
-        failed: int,
-        latencies_s: list[float],
-        waits: list[int],
+        released: Released | None = None,
+        waits: list[int] | None = None,
     ) -> None:
         """The engine's thread: one step's cost (``seconds``, when it handed something off),
-        requests handed off and failed, ReadDone -> event latencies of those released, and the
-        steps each of kvd's answers waited. The lists become the summary's: pass new ones."""
-        self._steps.append((seconds, handed_off, failed, latencies_s, waits))
+        requests handed off, those it released (kvd's answers) and the steps each of kvd's
+        answers waited. Their lists become the summary's: pass new ones."""
+        self._steps.append((seconds, handed_off, released, waits))
 
     def absorb(self) -> int:
         """The link's thread: fold in the steps recorded so far; returns a version that moves
         when something was folded in."""
         while self._steps:
-            seconds, handed_off, failed, latencies, waits = self._steps.popleft()
+            seconds, handed_off, released, waits = self._steps.popleft()
             if handed_off:
                 self.handoff.add(seconds)
             self.requests += handed_off
-            self.failed += failed
-            for latency in latencies:
-                self.ready_latency.add(latency)
-            for wait in waits:
+            if released is not None:
+                self.failed += len(released.failed)
+                for latency in released.latencies_s:
+                    self.ready_latency.add(latency)
+                for latency in released.answered_s:
+                    self.answer_latency.add(latency)
+            for wait in waits or ():
                 self.steps_to_release[wait] = self.steps_to_release.get(wait, 0) + 1
             self.version += 1
         return self.version
@@ -85,5 +92,6 @@ class HandoffStats:
             "failed": self.failed,
             "handoff": self.handoff.report(),
             "ready_latency": self.ready_latency.report(),
+            "answer_latency": self.answer_latency.report(),
             "steps_to_release": {str(k): v for k, v in sorted(self.steps_to_release.items())},
         }
