@@ -20,6 +20,7 @@ import time
 import warnings
 from collections import defaultdict
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -30,8 +31,9 @@ import pytest
 from kvd.client import Client, KvdError
 from kvd.daemon_process import DaemonProcess
 from kvd.demo.prefill import PrefillSpec
+from kvd.nixl.agent import nixl_errors
 from kvd.nixl.reader import Reader
-from kvd.protocol import ReadDone
+from kvd.protocol import ReadDone, Ready
 from kvd.shm import ShmCache
 from tests.link_double import StepLink
 from tests.nixl_helpers import kill, spawn_prefill
@@ -102,6 +104,8 @@ def decode_worker(connector: Any, agent: Any, link: StepLink) -> Any:
     worker._groups = [Group("full", BLOCK_SIZE, ("layer.0",))]
     worker._holding, worker._unsent, worker._split_reads, worker._metas = Holding(), [], {}, {}
     worker._markers, worker._step_marker = None, b""
+    worker._landed_early, worker._fail_when_answered, worker._answered_early = set(), set(), {}
+    worker._nixl_errors = nixl_errors()
     worker._link, worker.stats = link, HandoffStats()
     return worker
 
@@ -128,9 +132,44 @@ def post(reader: Reader, req_id: str, engine_id: str, remote: list[int], local: 
     return handle
 
 
-def test_a_request_is_handed_to_kvd_only_when_every_remote_ranks_read_is_terminal(
+@dataclass
+class DecodeSide:
+    worker: Any
+    reader: Reader
+    link: StepLink
+    peers: list[Any]
+    local: list[int]
+
+    def post(self, rank: int) -> Any:
+        """Post the request's READ from prefill rank ``rank`` and track its handle as vLLM
+        does; None when it was done at once."""
+        handle = post(self.reader, "req", f"prefill-rank{rank}", [3, 4], self.local)
+        if handle is not None:
+            self.worker._recving_transfers["req"].append(handle)
+        return handle
+
+    def wait_done(self, handle: Any) -> None:
+        deadline = time.monotonic() + 5.0
+        while handle is not None and self.reader.agent.check_xfer_state(handle) == "PROC":
+            assert time.monotonic() < deadline, "a READ from a running peer did not finish"
+            time.sleep(0.001)
+
+    def answer(self) -> None:
+        """kvd's Ready for the request, as the link's thread queues it."""
+        self.link.inbox.append(
+            (Ready(req_id="req", cache_id="decode", physical_block_ids=[]), 0, 0.0)
+        )
+
+    def read_dones(self) -> list[ReadDone]:
+        return [msgspec.msgpack.decode(f, type=ReadDone) for f in self.link.sent]
+
+
+@pytest.fixture
+def decode_side(
     connector: Any, daemon: DaemonProcess, short_tmp: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+) -> Iterator[DecodeSide]:
+    """A decode rank's ``KvdWorker`` with one request (local blocks 1, 2) to read from two
+    prefill ranks (real peers, real NIXL agents), none of it posted yet."""
     monkeypatch.setattr("kvd.nixl.agent.make_agent", telemetry_agent)
     peers = []
     for rank in range(2):
@@ -171,34 +210,7 @@ def test_a_request_is_handed_to_kvd_only_when_every_remote_ranks_read_is_termina
             region_blocks_to_zero=None,
         )
         worker._metas["req"] = worker._recving_metadata["req"] = meta
-
-        # Rank 0's READ lands; rank 1's peer no longer progresses, so its READ stays in flight.
-        done = post(reader, "req", "prefill-rank0", [3, 4], local)
-        os.kill(peers[1][0].pid, signal.SIGSTOP)
-        in_flight = post(reader, "req", "prefill-rank1", [3, 4], local)
-        assert in_flight is not None, "a READ from a stopped peer finished"
-        worker._recving_transfers["req"] = [h for h in (done, in_flight) if h is not None]
-        deadline = time.monotonic() + 5.0
-        while done is not None and reader.agent.check_xfer_state(done) == "PROC":
-            assert time.monotonic() < deadline, "rank 0's READ did not finish"
-            time.sleep(0.001)
-
-        for _ in range(20):
-            results = worker.get_transfer_results()
-            assert "req" not in results.finished_recving | results.failed_recving
-            assert link.sent == [], "handed to kvd while rank 1's READ is in flight"
-        assert worker._recving_transfers["req"] == [in_flight]
-
-        os.kill(peers[1][0].pid, signal.SIGCONT)
-        deadline = time.monotonic() + 10.0
-        while not link.sent:
-            assert time.monotonic() < deadline, "never handed to kvd after rank 1's READ ended"
-            results = worker.get_transfer_results()
-            assert "req" not in results.failed_recving
-            time.sleep(0.001)
-        assert "req" not in worker._recving_transfers
-        (read_done,) = (msgspec.msgpack.decode(f, type=ReadDone) for f in link.sent)
-        assert read_done.req_id == "req" and list(read_done.physical_block_ids) == local
+        yield DecodeSide(worker, reader, link, peers, local)
     finally:
         for proc, _ in peers:
             kill(proc)
@@ -207,3 +219,65 @@ def test_a_request_is_handed_to_kvd_only_when_every_remote_ranks_read_is_termina
             client.detach("decode")
         client.close()
         cache.close()
+
+
+def test_a_request_is_handed_to_kvd_only_when_every_remote_ranks_read_is_terminal(
+    decode_side: DecodeSide,
+) -> None:
+    side, worker, link = decode_side, decode_side.worker, decode_side.link
+    # Rank 0's READ lands; rank 1's peer no longer progresses, so its READ stays in flight.
+    done = side.post(0)
+    os.kill(side.peers[1][0].pid, signal.SIGSTOP)
+    in_flight = side.post(1)
+    assert in_flight is not None, "a READ from a stopped peer finished"
+    side.wait_done(done)
+
+    for _ in range(20):
+        worker.hand_off_landed()  # a step's start
+        results = worker.get_transfer_results()  # its end
+        assert "req" not in results.finished_recving | results.failed_recving
+        assert link.sent == [], "handed to kvd while rank 1's READ is in flight"
+    assert worker._recving_transfers["req"] == [in_flight]
+
+    os.kill(side.peers[1][0].pid, signal.SIGCONT)
+    deadline = time.monotonic() + 10.0
+    while not link.sent:
+        assert time.monotonic() < deadline, "never handed to kvd after rank 1's READ ended"
+        results = worker.get_transfer_results()
+        assert "req" not in results.failed_recving
+        time.sleep(0.001)
+    assert "req" not in worker._recving_transfers
+    (read_done,) = side.read_dones()
+    assert read_done.req_id == "req" and list(read_done.physical_block_ids) == side.local
+
+
+def test_a_request_landed_before_a_step_is_handed_off_at_its_start_and_released_at_its_end(
+    decode_side: DecodeSide,
+) -> None:
+    """kvd is told before the forward, answers during it, and the step's end releases the
+    request: the step in which stock vLLM would release it, not one later."""
+    side, worker = decode_side, decode_side.worker
+    side.wait_done(side.post(0))
+    worker.hand_off_landed()
+    assert [r.req_id for r in side.read_dones()] == ["req"] and worker.stats.early == 1
+    worker.hand_off_landed()  # a step without a forward: told once
+    side.answer()
+    results = worker.get_transfer_results()
+    assert "req" in results.finished_recving and "req" not in results.failed_recving
+    assert len(side.link.sent) == 1 and "req" not in worker._recving_transfers
+
+
+def test_a_request_handed_off_early_that_vllm_fails_is_held_until_kvd_answers(
+    decode_side: DecodeSide,
+) -> None:
+    """vLLM may fail a request whose READs landed (a notification failed): kvd may be
+    writing its blocks by then, so it is reported failed only once kvd answered."""
+    side, worker = decode_side, decode_side.worker
+    side.wait_done(side.post(0))
+    worker.hand_off_landed()
+    worker._failed_recv_reqs.put("req")  # as vLLM's notification thread reports one
+    results = worker.get_transfer_results()
+    assert "req" not in results.finished_recving | results.failed_recving
+    side.answer()
+    results = worker.get_transfer_results()
+    assert "req" in results.finished_recving and "req" in results.failed_recving

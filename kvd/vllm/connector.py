@@ -60,7 +60,7 @@ from kvd.client import (
 )
 from kvd.cpus import CpuListError, format_cpus
 from kvd.dtypes import dtype_name
-from kvd.nixl.agent import progress_thread_waits
+from kvd.nixl.agent import nixl_errors, progress_thread_waits
 from kvd.protocol import CACHE_ID_MAX, Event, MemoryRef, ShmRef, TensorSpec
 from kvd.vllm.formats import (
     STATE_BACKENDS,
@@ -213,6 +213,7 @@ class KvdWorker(NixlPullConnectorWorker):
         progress_thread = configured_progress_thread(vllm_config)
         with nixl_agents(type(self), progress_thread=progress_thread):
             super().__init__(vllm_config, engine_id, kv_cache_config)
+        self._nixl_errors = nixl_errors()
         if missing := missing_attributes(self, WORKER_ATTRIBUTES):
             raise KvdConnectorError(
                 f"vLLM {_nixl.version}: its NIXL worker has no {', '.join(missing)}, which "
@@ -249,6 +250,15 @@ class KvdWorker(NixlPullConnectorWorker):
         """The receive metadata of requests whose READs are under way (vLLM pops its own
         copy in the step that reports them finished, before kvd is told)."""
         self._holding = Holding()
+        self._landed_early: set[str] = set()
+        """Requests handed to kvd before a step's forward (``hand_off_landed``) that vLLM has
+        not yet reported finished receiving."""
+        self._fail_when_answered: set[str] = set()
+        """Requests handed off early that vLLM then reported failed: kvd may be writing their
+        blocks, so they are held until its answer, then reported failed."""
+        self._answered_early: dict[str, bool] = {}
+        """Requests handed off early that kvd answered before vLLM reported them landed (it
+        still held their handles) -> whether kvd failed them; released when vLLM reports."""
         self._unsent: list[Held] = []
         self._markers: HandOffMarkers | None = None
         """On CUDA: the markers kvd's stream waits on before writing handed-off blocks."""
@@ -568,6 +578,49 @@ class KvdWorker(NixlPullConnectorWorker):
             # Requests vLLM dropped without reporting them (aborts): forget them too.
             self._metas = {r: m for r, m in self._metas.items() if r in recving}
             self._split_reads = {r: b for r, b in self._split_reads.items() if r in recving}
+            self._landed_early &= recving.keys()
+
+    def hand_off_landed(self) -> None:
+        """Before a step's forward: hand kvd the requests whose READs have all landed.
+
+        vLLM posts READs after the forward and looks at them after the next one, so a READ is
+        seen landed a step after it landed; stock vLLM releases the request there, and kvd,
+        told only then, answered during the step after and cost each request a step. Told
+        here, kvd answers during this forward and the request is released at its end, as
+        stock's. Only requests whose every NIXL handle is done (never while a sibling still
+        writes) and whose ReadDone can be sent now; the rest wait for the step's end as
+        before. A look at each handle's state, nothing that waits."""
+        link = self._link
+        transfers = self._recving_transfers
+        if link is None or link.state is not State.UP or not transfers:
+            return
+        started = time.perf_counter()
+        self._step_marker = b""
+        handed_off = 0
+        for req_id, handles in list(transfers.items()):
+            if not handles or req_id in self._landed_early or req_id in self._recv_failures:
+                continue
+            meta = self._metas.get(req_id)
+            split_read = self._split_reads.get(req_id)
+            if meta is None or meta.remote is None or isinstance(split_read, str):
+                continue
+            if split_read == [[]] or not self._all_done(handles):
+                continue
+            held = self._read_done_of(req_id, meta, split_read, link.state)
+            if isinstance(held, str) or not self._send(held, link):
+                continue  # the step's end decides, as for any request
+            self._landed_early.add(req_id)
+            handed_off += 1
+        if handed_off:
+            self.stats.early += handed_off
+            self.stats.step(time.perf_counter() - started, handed_off)
+
+    def _all_done(self, handles: list[int]) -> bool:
+        check = self.nixl_wrapper.check_xfer_state
+        try:
+            return all(check(handle) == "DONE" for handle in handles)
+        except self._nixl_errors:  # vLLM's own look at the step's end handles what failed
+            return False
 
     def get_transfer_results(self) -> KVConnectorTransferResults:
         results = super().get_transfer_results()
@@ -583,6 +636,18 @@ class KvdWorker(NixlPullConnectorWorker):
             for req_id in list(results.finished_recving):
                 meta = self._metas.pop(req_id, None)
                 split_read = self._split_reads.pop(req_id, None)
+                if req_id in self._landed_early:
+                    # Handed off at the step's start: released when kvd answers.
+                    self._landed_early.discard(req_id)
+                    if req_id in self._answered_early:  # kvd's answer came first
+                        if self._answered_early.pop(req_id):
+                            results.failed_recving.add(req_id)
+                        continue
+                    results.finished_recving.discard(req_id)
+                    if req_id in results.failed_recving:
+                        results.failed_recving.discard(req_id)
+                        self._fail_when_answered.add(req_id)
+                    continue
                 if meta is None or meta.remote is None or req_id in results.failed_recving:
                     continue  # nothing landed for kvd to rewrite
                 if isinstance(split_read, str):
@@ -612,15 +677,35 @@ class KvdWorker(NixlPullConnectorWorker):
         link: KvdLink,
         results: KVConnectorTransferResults,
     ) -> None:
-        """Send kvd the request's ReadDone and hold it. ``split_read``: the local blocks read
-        from a prefill with larger blocks per KV cache group (whole groups of pages, every
-        remote page covered), else None."""
+        """Send kvd the request's ReadDone and hold it; where it cannot be (``_read_done_of``,
+        no free marker), report it failed for vLLM to recompute."""
+        held = self._read_done_of(req_id, meta, split_read, link.state)
+        if isinstance(held, str):
+            log.warning("%s: request %s is recomputed", held, req_id)
+        elif not self._send(held, link):
+            log.warning(
+                "request %s is recomputed: all %d hand-off markers are carried by requests "
+                "kvd has not answered",
+                req_id,
+                self._markers.limit if self._markers else 0,
+            )
+        else:
+            return
+        results.finished_recving.add(req_id)
+        results.failed_recving.add(req_id)
+
+    def _read_done_of(
+        self, req_id: str, meta: Any, split_read: list[list[int]] | None, state: State
+    ) -> Held | str:
+        """The request's ReadDone (its marker not yet taken), or why it cannot have one: no
+        kvd to wait for, or landed blocks a ReadDone cannot describe. ``split_read``: the local
+        blocks read from a prefill with larger blocks per KV cache group (whole groups of
+        pages, every remote page covered), else None."""
         engine_id = meta.remote.engine_id
         remote_format, remote_block_size = self._remotes[engine_id]
         covered: int | None
         covered_range = None
         groups: tuple[tuple[int, int], ...] = ()
-        why_not = ""
         if split_read is not None:
             local, covered = [b for ids in split_read for b in ids], 0
             if len(split_read) > 1:
@@ -636,11 +721,10 @@ class KvdWorker(NixlPullConnectorWorker):
                 ranges,
             )
             if isinstance(parts, str):
-                local, covered, why_not = [], None, parts
-            else:
-                local = [b for ids, _ in parts for b in ids]
-                groups = tuple((len(ids), c) for ids, c in parts)
-                covered = 0
+                return parts
+            local = [b for ids, _ in parts for b in ids]
+            groups = tuple((len(ids), c) for ids, c in parts)
+            covered = 0
         else:
             local = meta.local_physical_block_ids[0]
             ratio = max(1, self.block_size // remote_block_size)
@@ -652,35 +736,16 @@ class KvdWorker(NixlPullConnectorWorker):
             if covered_range is None:  # read from the first uncached token (_cached_prefix)
                 remote_blocks -= prefix_remote_blocks(meta, ratio)
             covered = covered_sub_blocks(len(local), ratio, remote_blocks, covered_range)
-        state = link.state
-        if state is State.GONE or covered is None:
-            # No kvd to wait for, or landed blocks a ReadDone cannot describe: vLLM recomputes.
-            why = "kvd is gone"
-            if why_not:
-                why = why_not
-            elif covered is None:
-                why = (
-                    f"its READ filled sub-blocks {covered_range or 'none'}, which no ReadDone says"
-                    if covered_range is not None
-                    else f"its READ paired {len(local)} local blocks (ratio {ratio}) with the "
-                    f"last of {len(meta.remote.block_ids[0])} remote blocks, off their places"
-                )
-            log.warning("%s: request %s is recomputed", why, req_id)
-            results.finished_recving.add(req_id)
-            results.failed_recving.add(req_id)
-            return
-        marker = self._marker()
-        if marker is None:
-            log.warning(
-                "request %s is recomputed: all %d hand-off markers are carried by requests "
-                "kvd has not answered",
-                req_id,
-                self._markers.limit if self._markers else 0,
+        if state is State.GONE:
+            return "kvd is gone"
+        if covered is None:
+            if covered_range is not None:
+                return f"its READ filled sub-blocks {covered_range}, which no ReadDone says"
+            return (
+                f"its READ paired {len(local)} local blocks (ratio {ratio}) with the last of "
+                f"{len(meta.remote.block_ids[0])} remote blocks, off their places"
             )
-            results.finished_recving.add(req_id)
-            results.failed_recving.add(req_id)
-            return
-        held = Held(
+        return Held(
             req_id=req_id,
             block_ids=[int(b) for b in local],
             remote_block_size=remote_block_size,
@@ -688,11 +753,19 @@ class KvdWorker(NixlPullConnectorWorker):
             covered_sub_blocks=covered,
             remote_engine_id=engine_id,
             groups=groups,
-            cuda_event=marker,
         )
+
+    def _send(self, held: Held, link: KvdLink) -> bool:
+        """Hold the request and send its ReadDone (or keep it for when kvd is up again);
+        False, holding nothing, when no hand-off marker is free."""
+        marker = self._marker()
+        if marker is None:
+            return False
+        held.cuda_event = marker
         self._holding.hold(held)
-        if state is State.UP and not link.send(_read_done(self.cache_id, held)):
+        if link.state is State.UP and not link.send(_read_done(self.cache_id, held)):
             self._unsent.append(held)
+        return True
 
     def _marker(self) -> bytes | None:
         """The step's hand-off marker, carried once more (recorded on the engine's current
@@ -732,6 +805,8 @@ class KvdWorker(NixlPullConnectorWorker):
                 # it is released in the first step after it.
                 waits.append(link.steps - queued_at)
         released.merge(self._holding.answer(events, arrived))
+        if self._landed_early or self._fail_when_answered:
+            self._settle_early(released)
         if self._markers is not None:
             for marker in released.markers:
                 self._markers.drop(marker)
@@ -747,6 +822,18 @@ class KvdWorker(NixlPullConnectorWorker):
                 self._holding.failures.pop(req_id, "kvd gone"),
             )
         return released, waits
+
+    def _settle_early(self, released: Released) -> None:
+        """Requests handed off early that vLLM reported failed are reported failed when kvd
+        answers; one kvd answered before vLLM reported it landed waits for that report
+        (vLLM still holds its handles), held again."""
+        for req_id in released.finished & self._fail_when_answered:
+            self._fail_when_answered.discard(req_id)
+            released.failed.add(req_id)
+        for req_id in released.finished & self._landed_early:
+            released.finished.discard(req_id)
+            self._answered_early[req_id] = req_id in released.failed
+            released.failed.discard(req_id)
 
     def shutdown(self) -> None:
         super().shutdown()
@@ -787,6 +874,12 @@ class KvdConnector(NixlPullConnector):
                 self.connector_worker = NixlPullConnectorWorker(
                     vllm_config, self.engine_id, kv_cache_config
                 )
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        worker = self.connector_worker
+        if isinstance(worker, KvdWorker):
+            worker.hand_off_landed()
 
     def get_mem_pool_context(self) -> Any:
         worker = self.connector_worker

@@ -87,6 +87,9 @@ WORKER_ATTRIBUTES = (
     "kv_cache_layout",
     "transfer_topo",
     "_recving_metadata",
+    "_recving_transfers",
+    "_recv_failures",
+    "nixl_wrapper",
 )
 """What ``KvdWorker`` reads on vLLM's worker once it is built."""
 ISA_PARAMS = ("dtype", "block_size", "head_size", "kv_cache_dtype")

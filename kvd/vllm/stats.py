@@ -45,6 +45,8 @@ class HandoffStats:
     def __init__(self) -> None:
         self._steps: deque[tuple[float, int, Released | None, list[int] | None]] = deque()
         self.requests = 0
+        self.early = 0
+        """Requests handed off before a step's forward (their READs seen landed there)."""
         self.failed = 0
         self.handoff = _Figure()
         self.ready_latency = _Figure()
@@ -89,6 +91,7 @@ class HandoffStats:
     def report(self) -> dict[str, Any]:
         return {
             "requests": self.requests,
+            "early": self.early,
             "failed": self.failed,
             "handoff": self.handoff.report(),
             "ready_latency": self.ready_latency.report(),
