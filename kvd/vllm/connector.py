@@ -203,9 +203,10 @@ def nixl_agents(worker: type, *, progress_thread: ProgressThread) -> Iterator[No
 class KvdWorker(NixlPullConnectorWorker):
     """A NIXL pull worker whose received blocks kvd post-processes.
 
-    On the engine's thread a step costs what it hands off: one non-blocking send per request
-    whose READ finished, one look at the link's deque, and, for each of kvd's answers, one
-    release. Everything that may wait is the link's (``kvd.vllm.link``).
+    On the engine's thread a step costs what it hands off: a look at the in-flight READs'
+    handles when it starts, one non-blocking send per request whose READs all landed, one look
+    at the link's deque, and, for each of kvd's answers, one release. Everything that may wait
+    is the link's (``kvd.vllm.link``).
     """
 
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
