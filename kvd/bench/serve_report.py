@@ -72,12 +72,11 @@ def connector_figures(measured: dict[str, Any]) -> dict[str, Any]:
     before, after = measured.get("connector_before", {}), measured.get("connector_after", {})
     if after:
         requests = after.get("requests", 0) - before.get("requests", 0)
-        recent = after.get("ready_latency", {}).get("recent_s", [])[-requests:] if requests else []
+        recent = _latest(after, "ready_latency", requests)
         figures["kvd_requests"] = requests
         figures["ready_p50_ms"] = ms(recent, 0.5) if recent else math.nan
         figures["ready_max_ms"] = ms(recent, 1.0) if recent else math.nan
-        answered = after.get("answer_latency", {}).get("recent_s", [])
-        answered = answered[-requests:] if requests else []
+        answered = _latest(after, "answer_latency", requests)
         figures["answered_p50_ms"] = ms(answered, 0.5) if answered else math.nan
         handoff_before = before.get("handoff", {}).get("sum_s", 0.0)
         figures["handoff_sum_ms"] = 1000 * (
@@ -85,6 +84,12 @@ def connector_figures(measured: dict[str, Any]) -> dict[str, Any]:
         )
         figures["handoff_max_ms"] = 1000 * after.get("handoff", {}).get("max_s", 0.0)
     return figures
+
+
+def _latest(stats: dict[str, Any], figure: str, requests: int) -> list[float]:
+    """The connector stats' last ``requests`` samples of ``figure`` (this run's)."""
+    values: list[float] = stats.get(figure, {}).get("recent_s", [])
+    return values[-requests:] if requests else []
 
 
 def run_report(measured: dict[str, dict[str, Any]], order: tuple[str, ...]) -> dict[str, Any]:

@@ -613,8 +613,7 @@ class KvdWorker(NixlPullConnectorWorker):
             self._landed_early.add(req_id)
             handed_off += 1
         if handed_off:
-            self.stats.early += handed_off
-            self.stats.step(time.perf_counter() - started, handed_off)
+            self.stats.step(time.perf_counter() - started, handed_off, early=True)
 
     def _all_done(self, handles: list[int]) -> bool:
         check = self.nixl_wrapper.check_xfer_state

@@ -43,7 +43,7 @@ class _Figure:
 
 class HandoffStats:
     def __init__(self) -> None:
-        self._steps: deque[tuple[float, int, Released | None, list[int] | None]] = deque()
+        self._steps: deque[tuple[float, int, Released | None, list[int] | None, bool]] = deque()
         self.requests = 0
         self.early = 0
         """Requests handed off before a step's forward (their READs seen landed there)."""
@@ -63,20 +63,25 @@ class HandoffStats:
         handed_off: int,
         released: Released | None = None,
         waits: list[int] | None = None,
+        *,
+        early: bool = False,
     ) -> None:
         """The engine's thread: one step's cost (``seconds``, when it handed something off),
-        requests handed off, those it released (kvd's answers) and the steps each of kvd's
-        answers waited. Their lists become the summary's: pass new ones."""
-        self._steps.append((seconds, handed_off, released, waits))
+        requests handed off (``early``: before the step's forward), those it released (kvd's
+        answers) and the steps each of kvd's answers waited. Their lists become the
+        summary's: pass new ones."""
+        self._steps.append((seconds, handed_off, released, waits, early))
 
     def absorb(self) -> int:
         """The link's thread: fold in the steps recorded so far; returns a version that moves
         when something was folded in."""
         while self._steps:
-            seconds, handed_off, released, waits = self._steps.popleft()
+            seconds, handed_off, released, waits, early = self._steps.popleft()
             if handed_off:
                 self.handoff.add(seconds)
             self.requests += handed_off
+            if early:
+                self.early += handed_off
             if released is not None:
                 self.failed += len(released.failed)
                 for latency in released.latencies_s:
