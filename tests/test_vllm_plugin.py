@@ -167,3 +167,21 @@ def test_files_of_dead_workers_are_reaped(tmp_path: Path) -> None:
     finally:
         mine.unlink(missing_ok=True)
         stale.unlink(missing_ok=True)
+
+
+def test_a_file_another_worker_reaps_first_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ranks of a TP decode reap at once: a file listed here may be gone before it is
+    looked at (CI: a TP 2 decode failed to start with ENOENT on a dead worker's file)."""
+    stale = Path("/dev/shm") / "kvd-test-race-1-abcd1234"  # pid 1 is alive: no reap of its own
+    stale.write_bytes(b"x")
+    listed = list(os.scandir("/dev/shm"))
+
+    def scandir_then_the_other_rank_reaps(path: str) -> list[os.DirEntry[str]]:
+        stale.unlink()
+        return listed
+
+    monkeypatch.setattr("kvd.vllm.shm.os.scandir", scandir_then_the_other_rank_reaps)
+    try:
+        assert reap("kvd-test-race") == []
+    finally:
+        stale.unlink(missing_ok=True)

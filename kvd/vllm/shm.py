@@ -106,7 +106,13 @@ def reap(prefix: str) -> list[str]:
     removed = []
     for entry in os.scandir(SHM_DIR):
         match = pattern.match(entry.name)
-        if not match or entry.stat(follow_symlinks=False).st_uid != os.geteuid():
+        if not match:
+            continue
+        try:
+            owner = entry.stat(follow_symlinks=False).st_uid
+        except FileNotFoundError:
+            continue  # another worker reaped it first (a TP decode's ranks reap at once)
+        if owner != os.geteuid():
             continue
         try:
             os.kill(int(match[1]), 0)
