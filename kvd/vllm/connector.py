@@ -580,6 +580,9 @@ class KvdWorker(NixlPullConnectorWorker):
             self._metas = {r: m for r, m in self._metas.items() if r in recving}
             self._split_reads = {r: b for r, b in self._split_reads.items() if r in recving}
             self._landed_early &= recving.keys()
+            self._answered_early = {
+                r: failed for r, failed in self._answered_early.items() if r in recving
+            }
 
     def hand_off_landed(self) -> None:
         """Before a step's forward: hand kvd the requests whose READs have all landed.
