@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kvd.bench.cores import read_cpu
+from kvd.bench.cores import read_cpu, spawning_on
 from kvd.bench.serve_report import CONNECTORS, repeated_report, run_report, table
 from kvd.bench.stalls import StallWatch
 from kvd.bench.vllm import free_port, pinned_daemon
@@ -41,7 +41,6 @@ from kvd.bench.vllm_server import PROGRESS_THREAD_ENV
 from kvd.cpus import format_cpus
 from kvd.progress import progress_bar
 
-KVD_CORE = 0
 START_S = 900
 """The longest wait for a server to answer /health: two start at once on a busy 2-core machine."""
 REQUEST_S = 600
@@ -81,9 +80,10 @@ class Server:
         transfer: dict[str, Any],
         core: int | None = None,
     ) -> None:
-        """``core``: the one core its worker's single OpenMP thread runs on (None: vLLM's own
-        binding, a thread on every core)."""
+        """``core``: the one core all its processes run on, its worker with one OpenMP thread
+        (None: anywhere, with vLLM's own binding, a worker thread on every core)."""
         self.name = name
+        self.core = core
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = work / f"{name}.log"
@@ -109,7 +109,11 @@ class Server:
             "--enable-prefix-caching" if args.prefix_caching else "--no-enable-prefix-caching",
             "--kv-transfer-config", json.dumps(transfer),
         ]  # fmt: skip
-        with open(self.log, "wb") as log:
+        # A server's processes (API server, engine core, worker) all on its core, as on a
+        # machine of its own: the engine core and the worker poll each other's queues in a busy
+        # loop under load (vLLM's SpinCondition), and left to float, a decode's spinning engine
+        # core took the prefill's core (the prefill leg took up to 1 s, 0.1 s with it apart).
+        with open(self.log, "wb") as log, spawning_on(None if core is None else frozenset({core})):
             self.proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
@@ -121,6 +125,14 @@ class Server:
                 self.kill()
                 raise RuntimeError(f"{self.name} did not start:\n{self.tail()}")
             time.sleep(1)
+        if self.core is not None:
+            # vLLM's NIXL worker on CPU moves its engine thread, the one that computes with one
+            # OpenMP thread, to the last core (``base_worker.py``: "reserve different cores for
+            # start_load_kv()"), after OpenMP bound it: the prefill's computed on the decodes'
+            # core. Back to its own; the worker's other threads stay where they were put.
+            for name, pid in _process_tree(self.proc.pid):
+                if name.startswith("VLLM::Worker"):
+                    os.sched_setaffinity(pid, {self.core})
 
     def stop(self, timeout: float = 60) -> None:
         """SIGTERM as systemd or Kubernetes stops it; its children are killed if they linger."""
@@ -137,6 +149,21 @@ class Server:
 
     def tail(self, lines: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def thread_cpu(self) -> dict[str, float]:
+        """CPU seconds so far of each thread of its processes, keyed ``process/thread``
+        (names as the kernel keeps them; threads of one name summed)."""
+        tick = os.sysconf("SC_CLK_TCK")
+        seconds: dict[str, float] = {}
+        for name, pid in _process_tree(self.proc.pid):
+            for task in Path(f"/proc/{pid}/task").glob("*/stat"):
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    head, tail = task.read_text().rsplit(")", 1)
+                    fields = tail.split()
+                    key = f"{name}/{head.split('(', 1)[1]}"
+                    used = (int(fields[11]) + int(fields[12])) / tick
+                    seconds[key] = seconds.get(key, 0.0) + used
+        return seconds
 
     def placement(self) -> str:
         """The CPUs its processes may run on, and where its engine thread runs."""
@@ -354,8 +381,12 @@ def run(args: argparse.Namespace) -> int:
         )
         work.mkdir(parents=True, exist_ok=True)
         model = make_tokenizer(make_model(work / "model"))
+        cores = sorted(os.sched_getaffinity(0))
+        # Two machines in one: the prefill's server on the first core; the decodes' (which take
+        # turns) and kvd, which runs beside a decode, on the last.
+        worker_cores = {"prefill": cores[0], **dict.fromkeys(CONNECTORS, cores[-1])}
         # Beside three vLLM servers starting, kvd's torch import alone can take a minute.
-        daemon = stack.enter_context(pinned_daemon(KVD_CORE, timeout=START_S))
+        daemon = stack.enter_context(pinned_daemon(cores[-1], timeout=START_S))
         assert daemon.proc is not None
         kvd_pid = daemon.proc.pid
         stats_path = work / "kvd-connector-stats.json"
@@ -370,9 +401,6 @@ def run(args: argparse.Namespace) -> int:
                                                   "kvd_stats_path": str(stats_path)}},
         }  # fmt: skip
         blocks = {"prefill": args.prefill_block, **dict.fromkeys(CONNECTORS, args.decode_block)}
-        cores = sorted(os.sched_getaffinity(0))
-        # The prefill's worker on the first core, the decodes' (which take turns) on the last.
-        worker_cores = {"prefill": cores[0], **dict.fromkeys(CONNECTORS, cores[-1])}
         servers = {
             role: Server(
                 work,
@@ -415,6 +443,7 @@ def run(args: argparse.Namespace) -> int:
                     stalls.take()
                     since = time.time()
                     cpu_before = read_cpu(kvd_pid)
+                    threads_before = {n: s.thread_cpu() for n, s in servers.items()}
                     result = load_run(
                         work,
                         f"run{index}-{connector}",
@@ -429,6 +458,9 @@ def run(args: argparse.Namespace) -> int:
                         "legs": _legs(timings, since),
                         "stalls": stalls.take(),
                         "kvd_cpu_s": _cpu_seconds(cpu_before, read_cpu(kvd_pid)),
+                        "threads_cpu_s": {
+                            n: _used(threads_before[n], s.thread_cpu()) for n, s in servers.items()
+                        },
                         "connector_before": stats_before,
                         "connector_after": _stats(stats_path) if connector == "kvd" else {},
                     }
@@ -467,6 +499,13 @@ def _cpu_seconds(before: Any, after: Any) -> float:
     from kvd.bench.cores import cpu_seconds
 
     return round(cpu_seconds(before, after), 3)
+
+
+def _used(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """CPU seconds each thread used between two ``Server.thread_cpu`` readings, busiest first
+    (threads that ended in between are not counted)."""
+    used = {k: round(v - before.get(k, 0.0), 2) for k, v in after.items()}
+    return dict(sorted(((k, v) for k, v in used.items() if v > 0), key=lambda kv: -kv[1]))
 
 
 def _released_at_once(runtime_dir: Path) -> bool:

@@ -51,8 +51,8 @@ TARGETS = [
 ]
 
 
-def connector_figures(measured: dict[str, Any]) -> dict[str, Any]:
-    """One decode server's figures in one run."""
+def connector_figures(connector: str, measured: dict[str, Any]) -> dict[str, Any]:
+    """``connector``'s decode server's figures in one run."""
     result = measured["result"]
     figures: dict[str, Any] = {}
     for key, _, source, _ in FIGURES:
@@ -69,6 +69,9 @@ def connector_figures(measured: dict[str, Any]) -> dict[str, Any]:
     figures["prefill_leg_max_ms"] = 1000 * max((leg["prefill_s"] for leg in legs), default=0.0)
     figures["worst_stall_s"] = max(measured.get("stalls", {}).values(), default=0.0)
     figures["kvd_cpu_s"] = measured.get("kvd_cpu_s", 0.0)
+    threads = measured.get("threads_cpu_s", {})
+    figures["prefill_cpu_s"] = sum(threads.get("prefill", {}).values())
+    figures["decode_cpu_s"] = sum(threads.get(connector, {}).values())
     before, after = measured.get("connector_before", {}), measured.get("connector_after", {})
     if after:
         requests = after.get("requests", 0) - before.get("requests", 0)
@@ -93,7 +96,12 @@ def _latest(stats: dict[str, Any], figure: str, requests: int) -> list[float]:
 
 
 def run_report(measured: dict[str, dict[str, Any]], order: tuple[str, ...]) -> dict[str, Any]:
-    return {"order": list(order), **{c: connector_figures(measured[c]) for c in CONNECTORS}}
+    return {
+        "order": list(order),
+        **{c: connector_figures(c, measured[c]) for c in CONNECTORS},
+        # Each server's threads' CPU seconds during each decode's turn: which resource limited it.
+        "threads_cpu_s": {c: measured[c].get("threads_cpu_s", {}) for c in CONNECTORS},
+    }
 
 
 def _ratio(kvd: float, stock: float) -> float:
@@ -154,6 +162,8 @@ def table(report: dict[str, Any], args: argparse.Namespace) -> list[str]:
     for key, label in (
         ("decode_first_byte_max_ms", "decode leg, longest to 1st byte ms"),
         ("kvd_cpu_s", "kvd's CPU time s"),
+        ("prefill_cpu_s", "prefill server's CPU time s"),
+        ("decode_cpu_s", "decode server's CPU time s"),
     ):
         rows.append([label, _cell(medians["stock"][key]), _cell(medians["kvd"][key]), ""])
     for key, label in (
