@@ -8,6 +8,8 @@ prompts; sizes and concurrency are options). Greedy text completions through the
 time and all at once, streamed and not, are compared with the prefill server's own (a single
 instance): kvd's must equal it; stock vLLM's CPU merge is wrong at differing block sizes.
 
+Each server's processes run on one core, as on a machine of its own: the prefill's on the
+first, the decodes' (which take turns) and kvd on the last (``Server``).
 The servers run through ``kvd.bench.vllm_server`` (vLLM's own CLI; NIXL's progress thread
 waiting for UCX's events unless ``--nixl-progress-thread``: see that module).
 ``kvd.bench.serve_report`` turns each run's figures into the table and the targets.
@@ -61,6 +63,10 @@ Figures per decode connector (vllm bench serve's, over the timed requests):
                  the request's release, at the engine's next step after the answer
   answer         ReadDone -> kvd's answer at the connector's link thread, p50, ms (kvd only)
   hand-off       the engine thread's time handing requests to kvd, sum and max, ms (kvd only)
+  CPU time       kvd's and each server's CPU seconds in the run (every thread's: --keep's
+                 report.json)
+Where they run: each server's processes on one core, as on a machine of its own, the
+prefill's on the first core, the decodes' (which take turns) and kvd on the last.
 Targets, on the medians of the runs: throughput >= stock, TTFT p50 <= 1.05x and p99 <= 1.0x
 stock's, ITL p99 <= stock's, e2e p50 <= stock's.
 """
