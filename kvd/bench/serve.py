@@ -390,9 +390,9 @@ def run(args: argparse.Namespace) -> int:
         cores = sorted(os.sched_getaffinity(0))
         # Two machines in one: the prefill's server on the first core; the decodes' (which take
         # turns) and kvd, which runs beside a decode, on the last.
-        worker_cores = {"prefill": cores[0], **dict.fromkeys(CONNECTORS, cores[-1])}
+        server_cores = {"prefill": cores[0], **dict.fromkeys(CONNECTORS, cores[-1])}
         # Beside three vLLM servers starting, kvd's torch import alone can take a minute.
-        daemon = stack.enter_context(pinned_daemon(cores[-1], timeout=START_S))
+        daemon = stack.enter_context(pinned_daemon(server_cores["kvd"], timeout=START_S))
         assert daemon.proc is not None
         kvd_pid = daemon.proc.pid
         stats_path = work / "kvd-connector-stats.json"
@@ -415,7 +415,7 @@ def run(args: argparse.Namespace) -> int:
                 args=args,
                 block_size=blocks[role],
                 transfer=transfers[role],
-                core=worker_cores[role],
+                core=server_cores[role],
             )
             for role in blocks
         }
