@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from kvd.bench.cores import (
     cpu_seconds,
     placement,
     read_cpu,
+    read_stat,
     spawning_on,
 )
 from kvd.cpus import CpuListError, format_cpus, parse_cpus
@@ -140,6 +142,27 @@ def test_cpu_time_of_live_threads_is_read_to_the_nanosecond(
 
 @pytest.mark.slow
 @two_cpus
+def test_a_stat_line_names_its_process_whatever_the_name_holds() -> None:
+    """A process may name itself with spaces and parentheses (``prctl``); the fields after
+    the name are read from its last ``)``."""
+    script = "import ctypes, time; ctypes.CDLL(None).prctl(15, b'a (b) c', 0, 0, 0); time.sleep(60)"
+    child = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        path = Path(f"/proc/{child.pid}/stat")
+        for _ in range(200):
+            if read_stat(path).name == "a (b) c":
+                break
+            time.sleep(0.05)
+        stat = read_stat(path)
+        assert (stat.name, stat.ppid) == ("a (b) c", os.getpid())
+        assert stat.cpu_s >= 0
+    finally:
+        child.kill()
+        child.wait()
+    with pytest.raises(OSError):
+        read_stat(path)
+
+
 def test_the_pipeline_bench_says_where_its_processes_ran() -> None:
     tiny = ("bench", "pipeline", "--rounds", "1", "--messages", "300", "--latency-samples", "30")
     done = kvd(*tiny, "--json", timeout=300)

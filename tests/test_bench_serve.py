@@ -7,7 +7,7 @@ import subprocess
 import sys
 from typing import Any
 
-from kvd.bench.serve import prompt_seed
+from kvd.bench.serve import place, prompt_seed
 from kvd.bench.serve_report import CONNECTORS, repeated_report, run_report, table
 
 
@@ -86,6 +86,15 @@ def test_distinct_prompts_are_new_to_every_run_and_server() -> None:
     assert len(set(seeds)) == len(seeds) and 7 not in seeds
     repeated = argparse.Namespace(seed=7, prompts="repeated")
     assert {prompt_seed(repeated, i, c) for i in range(3) for c in CONNECTORS} == {7}
+
+
+def test_kvd_runs_apart_from_the_decode_unless_asked_to_share_its_core() -> None:
+    """As deployed: kvd on a third core where there is one, else the prefill's; never the
+    decode's unless --kvd-core decode asks to measure that."""
+    assert place([0, 1, 2, 3], "apart") == {"prefill": 0, "stock": 3, "kvd": 3, "kvd serve": 1}
+    assert place([4, 5], "apart") == {"prefill": 4, "stock": 5, "kvd": 5, "kvd serve": 4}
+    assert place([4, 5], "decode")["kvd serve"] == 5
+    assert place([2], "apart") == {"prefill": 2, "stock": 2, "kvd": 2, "kvd serve": 2}
 
 
 def test_bad_sizes_are_usage_errors_naming_the_option() -> None:

@@ -69,6 +69,27 @@ def spawning_on(cpus: frozenset[int] | None) -> Iterator[None]:
 
 
 @dataclass(frozen=True)
+class Stat:
+    """What a ``/proc/PID/stat`` (or ``.../task/TID/stat``) line says that the benches use."""
+
+    name: str
+    ppid: int
+    cpu_s: float
+    """User and system CPU seconds, to the clock tick."""
+
+
+def read_stat(path: str | Path) -> Stat:
+    """Parse one stat file; raises ``OSError`` when the process or thread is gone, ``ValueError``
+    or ``IndexError`` on a line not of the kernel's form. The name may hold spaces and
+    parentheses: it is everything between the first ``(`` and the last ``)``."""
+    text = Path(path).read_text()
+    head, tail = text.rsplit(")", 1)
+    fields = tail.split()
+    ticks = int(fields[11]) + int(fields[12])
+    return Stat(head.split("(", 1)[1], int(fields[1]), ticks / os.sysconf("SC_CLK_TCK"))
+
+
+@dataclass(frozen=True)
 class CpuReading:
     """A process's CPU time so far: per live thread in ns (``/proc/PID/task/*/schedstat``, empty
     where the kernel keeps no such figures), and all threads ever in clock ticks (``stat``)."""
@@ -78,9 +99,7 @@ class CpuReading:
 
 
 def read_cpu(pid: int) -> CpuReading:
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    ticks_s = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    ticks_s = read_stat(f"/proc/{pid}/stat").cpu_s
     threads_ns = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:

@@ -9,7 +9,8 @@ time and all at once, streamed and not, are compared with the prefill server's o
 instance): kvd's must equal it; stock vLLM's CPU merge is wrong at differing block sizes.
 
 Each server's processes run on one core, as on a machine of its own: the prefill's on the
-first, the decodes' (which take turns) and kvd on the last (``Server``).
+first, the decodes' (which take turns) on the last (``Server``), and kvd on a core apart from the
+decode's (``place``).
 The servers run through ``kvd.bench.vllm_server`` (vLLM's own CLI; NIXL's progress thread
 waiting for UCX's events unless ``--nixl-progress-thread``: see that module).
 ``kvd.bench.serve_report`` turns each run's figures into the table and the targets.
@@ -34,7 +35,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kvd.bench.cores import read_cpu, spawning_on
+from kvd.bench.cores import read_cpu, read_stat, spawning_on
 from kvd.bench.serve_report import CONNECTORS, repeated_report, run_report, table
 from kvd.bench.stalls import StallWatch
 from kvd.bench.vllm import free_port, pinned_daemon
@@ -159,16 +160,13 @@ class Server:
     def thread_cpu(self) -> dict[str, float]:
         """CPU seconds so far of each thread of its processes, keyed ``process/thread``
         (names as the kernel keeps them; threads of one name summed)."""
-        tick = os.sysconf("SC_CLK_TCK")
         seconds: dict[str, float] = {}
         for name, pid in _process_tree(self.proc.pid):
             for task in Path(f"/proc/{pid}/task").glob("*/stat"):
                 with contextlib.suppress(OSError, ValueError, IndexError):
-                    head, tail = task.read_text().rsplit(")", 1)
-                    fields = tail.split()
-                    key = f"{name}/{head.split('(', 1)[1]}"
-                    used = (int(fields[11]) + int(fields[12])) / tick
-                    seconds[key] = seconds.get(key, 0.0) + used
+                    stat = read_stat(task)
+                    key = f"{name}/{stat.name}"
+                    seconds[key] = seconds.get(key, 0.0) + stat.cpu_s
         return seconds
 
     def placement(self) -> str:
@@ -182,10 +180,9 @@ class Server:
 def _process_tree(root: int) -> list[tuple[str, int]]:
     """(name, pid) of ``root`` and its descendants."""
     children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for path in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+            children.setdefault(read_stat(path).ppid, []).append(int(path.parent.name))
     out, todo = [], [root]
     while todo:
         pid = todo.pop()
@@ -387,12 +384,9 @@ def run(args: argparse.Namespace) -> int:
         )
         work.mkdir(parents=True, exist_ok=True)
         model = make_tokenizer(make_model(work / "model"))
-        cores = sorted(os.sched_getaffinity(0))
-        # Two machines in one: the prefill's server on the first core; the decodes' (which take
-        # turns) and kvd, which runs beside a decode, on the last.
-        server_cores = {"prefill": cores[0], **dict.fromkeys(CONNECTORS, cores[-1])}
+        server_cores = place(sorted(os.sched_getaffinity(0)), args.kvd_core)
         # Beside three vLLM servers starting, kvd's torch import alone can take a minute.
-        daemon = stack.enter_context(pinned_daemon(server_cores["kvd"], timeout=START_S))
+        daemon = stack.enter_context(pinned_daemon(server_cores["kvd serve"], timeout=START_S))
         assert daemon.proc is not None
         kvd_pid = daemon.proc.pid
         stats_path = work / "kvd-connector-stats.json"
@@ -490,6 +484,18 @@ def run(args: argparse.Namespace) -> int:
     else:
         print("\n".join(table(report, args)))
     return 0
+
+
+def place(cores: list[int], kvd_core: str) -> dict[str, int]:
+    """Each server's core, as on machines of their own: the prefill's on the first core, the
+    decodes' (which take turns) on the last, and ``kvd serve`` on a core apart from the decode's
+    as deployed (docs/deployment.md): a third core where there is one, else the prefill's, where
+    it costs the prefill what it uses (``kvd_cpu_s``). ``kvd_core="decode"``: on the decode's, to
+    measure what sharing it costs."""
+    decode = cores[-1]
+    apart = cores[1] if len(cores) >= 3 else cores[0]
+    daemon = decode if kvd_core == "decode" else apart
+    return {"prefill": cores[0], **dict.fromkeys(CONNECTORS, decode), "kvd serve": daemon}
 
 
 def prompt_seed(args: argparse.Namespace, index: int, connector: str) -> int:
@@ -592,6 +598,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="NIXL's progress thread as vLLM starts it (it polls with no pause: a core each) "
         "in the stock servers, instead of one that waits for UCX's events; kvd's decode "
         "follows its kvd_nixl_progress_thread (on CPU: one that waits)",
+    )
+    parser.add_argument(
+        "--kvd-core",
+        choices=("apart", "decode"),
+        default="apart",
+        help="where kvd serve runs: apart, on a core apart from the decode's as deployed (a "
+        "third core if the machine has one, else the prefill's); decode, on the decode's core, "
+        "to measure what sharing it costs. Default apart",
     )
     parser.add_argument("--keep", metavar="DIR", help="work in DIR and keep its logs and results")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
