@@ -35,6 +35,7 @@ from kvd.layout.geometry import tensor_geometry
 from kvd.protocol import ShmRef, TensorSpec
 from kvd.vllm.formats import CPU_ATTN_VEC_ISAS, TpLayoutError, landed_format
 from kvd.vllm.holding import covered_sub_blocks
+from kvd.vllm.split import plan_split_read, slice_sub_pages, split_remote_pages
 from kvd.vllm.tp import split_sub_blocks
 
 HEAD_DIM = 64  # vLLM's CPU kernel ("vec") takes head sizes that are multiples of 32
@@ -204,13 +205,23 @@ def read(
     local_ids: list[int],
     remote_ids: list[int],
     lift: bool = False,
+    slice_pages: bool = True,
 ) -> None:
     """One request's READs into ``local`` from the prefill ranks it reads, as vLLM 0.32's
-    ``_read_blocks_for_req`` posts them (one per source rank), executed as byte copies."""
+    ``_read_blocks_for_req`` posts them (one per source rank), executed as byte copies.
+
+    Larger prefill blocks (nP > nD) are read as the connector reads them: each prefill rank's
+    handshake split into sub-pages (``split_remote_pages``; ``remote_ids`` are then sub-block
+    ids) and, with ``slice_pages``, the remote descriptors placed on this rank's heads
+    (``slice_sub_pages``)."""
     worker = vllm_worker(vllm, local, total_heads)
     remote_tp = prefill[0].tp_size
     plan = vllm.compute_tp_mapping(worker.transfer_topo, remote_tp, worker._group_spec_types)
-    ratio = worker.transfer_topo.block_size_ratio(prefill[0].block_size)
+    metas = [agent_metadata(vllm, side, layout) for side in prefill]
+    k = 1
+    for meta in metas:
+        k = split_remote_pages(meta, local.block_size)
+    ratio = worker.transfer_topo.block_size_ratio(metas[0].block_size)
     tp_ratio = worker.transfer_topo.tp_ratio(remote_tp)
     local_descs = worker._build_fa_local([t.data_ptr() for t in local.layers], ratio)
     if tp_ratio < 0:
@@ -219,9 +230,9 @@ def read(
         sides = [local_descs] * len(plan.all_source_ranks)
     assert len(sides) == len(plan.all_source_ranks)
     for side, rank in zip(sides, plan.all_source_ranks, strict=True):
-        remote_descs = worker._build_fa_remote(
-            plan, agent_metadata(vllm, prefill[rank], layout), ratio
-        )
+        remote_descs = worker._build_fa_remote(plan, metas[rank], ratio)
+        if k > 1 and slice_pages:
+            remote_descs = slice_sub_pages(remote_descs, metas[rank], k)
         local_group, remote_group = [local_ids], [remote_ids]
         if ratio > 1:
             local_group, remote_group = worker._map_block_ids_for_block_size_ratio(
@@ -229,10 +240,10 @@ def read(
             )
         remote_desc_ids = worker._compute_desc_ids(
             block_ids=remote_group,
-            dst_num_blocks=prefill[rank].num_blocks,
+            dst_num_blocks=metas[rank].num_blocks,
             block_size_ratio=None,
             physical_blocks_per_logical=1,
-            region_num_blocks=[prefill[rank].num_blocks] * LAYERS,
+            region_num_blocks=[metas[rank].num_blocks] * LAYERS,
             region_group_ids=[0] * LAYERS,
             uses_region_group_mapping=False,
         )
@@ -257,6 +268,10 @@ def read(
 
 
 def rank_heads(total_heads: int, tp_size: int, rank: int) -> slice:
+    """A rank's KV heads; with more ranks than heads, vLLM gives each rank one, replicated."""
+    if tp_size > total_heads:
+        head = rank * total_heads // tp_size
+        return slice(head, head + 1)
     per = total_heads // tp_size
     return slice(rank * per, (rank + 1) * per)
 
@@ -291,7 +306,22 @@ def case_id(case: tuple[Any, ...]) -> str:
     return f"{heads}heads-tp{p_tp}to{d_tp}-{n_p}to{n_d}-{remote}to{local}"
 
 
-def run_case(vllm: SimpleNamespace, case: tuple[Any, ...], *, lift: bool = False) -> None:
+SPLIT = [
+    # prefill blocks larger than the decode's (nP > nD) at a decode TP above the prefill's:
+    # each rank's heads of a page, in k pieces (``kvd.vllm.split.slice_sub_pages``)
+    (2, 1, 2, 64, 32, "cpu_attn_vec", "cpu_attn_vec"),
+    (4, 1, 2, 128, 32, "cpu_attn_vec", "cpu_attn_vec"),
+    (4, 1, 4, 64, 32, "cpu_attn_vec", "cpu_attn_vec"),
+    (2, 1, 4, 64, 32, "cpu_attn_vec", "cpu_attn_vec"),  # more decode ranks than KV heads
+    (4, 2, 4, 64, 32, "cpu_attn_vec", "cpu_attn_vec"),
+    (4, 1, 2, 64, 32, "LBHNC", "LBHNC"),
+    (4, 1, 2, 64, 32, "LBHNC", "LBNHC"),
+]
+
+
+def run_case(
+    vllm: SimpleNamespace, case: tuple[Any, ...], *, lift: bool = False, slice_pages: bool = True
+) -> None:
     total_heads, p_tp, d_tp, n_p, n_d, remote_fmt, local_fmt = case
     torch.manual_seed(zlib.crc32(case_id(case).encode()))
     key = [torch.randn(TOKENS, total_heads, HEAD_DIM) for _ in range(LAYERS)]
@@ -319,9 +349,13 @@ def run_case(vllm: SimpleNamespace, case: tuple[Any, ...], *, lift: bool = False
             layers.append(cache)
         prefill.append(Side(rank, p_tp, n_p, layers))
 
-    ratio = n_d // n_p
-    covered = covered_sub_blocks(local_blocks, ratio, remote_blocks, None)
-    assert covered is not None
+    k = max(n_p // n_d, 1)
+    if k > 1:  # whole groups of k local blocks are read, the rest recomputed (``plan_split_read``)
+        covered = 0  # all they hold
+        sub_ids = [i * k + j for i in remote_ids for j in range(k)]
+    else:
+        covered = covered_sub_blocks(local_blocks, n_d // n_p, remote_blocks, None)
+        assert covered is not None
     layout = "LBHNC"  # what a prefill of either format says in its handshake on CPU/GPU here
     fmt = landed_format(remote_fmt, local_tp=d_tp, remote_tp=p_tp)
     d_num = 3 * local_blocks
@@ -341,6 +375,11 @@ def run_case(vllm: SimpleNamespace, case: tuple[Any, ...], *, lift: bool = False
         layers = [torch.randn(d_num, *w.shape[1:]) for w in want]  # stale bytes
         stale = [t.clone() for t in layers]
         local_ids = torch.randperm(d_num)[:local_blocks].tolist()
+        read_ids = remote_ids
+        if k > 1:
+            split = plan_split_read(local_ids, sub_ids, k, 0)
+            assert split.local and split.unread == local_ids[len(split.local) :]
+            local_ids, read_ids = split.local, split.remote
         decode = Side(rank, d_tp, n_d, layers)
         read(
             vllm,
@@ -349,10 +388,11 @@ def run_case(vllm: SimpleNamespace, case: tuple[Any, ...], *, lift: bool = False
             total_heads,
             layout=layout,
             local_ids=local_ids,
-            remote_ids=remote_ids,
+            remote_ids=read_ids,
             lift=lift,
+            slice_pages=slice_pages,
         )
-        if (ratio > 1 or local_fmt != remote_fmt) and layers[0][local_ids[0]].abs().sum() > 0:
+        if (n_p != n_d or local_fmt != remote_fmt) and layers[0][local_ids[0]].abs().sum() > 0:
             # Not vacuous: what landed is not yet the decode's pages.
             assert not torch.equal(layers[0][local_ids], want[0])
         for layer, tensor in enumerate(layers):
@@ -397,6 +437,20 @@ def test_prefill_tp_above_decode_tp_with_differing_block_sizes_lands_a_rewritabl
     whole page back to back in slot order: this rank's heads in order, at the remote block
     size, which kvd rewrites like any other sub-page."""
     run_case(vllm, case, lift=True)
+
+
+@pytest.mark.parametrize("case", SPLIT, ids=case_id)
+def test_larger_prefill_blocks_at_a_higher_decode_tp_land_this_rank_s_heads(vllm, case) -> None:
+    """Each decode rank's byte range of a prefill page, in k local pages: a page of the prefill's
+    format with this rank's heads, which kvd splits like any other."""
+    run_case(vllm, case)
+
+
+def test_vllm_s_sub_page_offsets_alone_read_other_ranks_heads(vllm) -> None:
+    """Without ``slice_sub_pages`` vLLM reads this rank's share of each sub-page, not of the
+    page: in an HND page another rank's heads (why the pair was refused before)."""
+    with pytest.raises(AssertionError, match="decode rank 0, layer 0, block 0"):
+        run_case(vllm, SPLIT[0], slice_pages=False)
 
 
 def test_a_remote_format_whose_head_slices_are_not_pages_is_refused_by_name() -> None:

@@ -17,10 +17,10 @@ differs in five places:
   which kvd's stream waits on before its first write (``kvd.cudaipc.HandOffMarkers``);
 - kvd's Ready releases it; kvd's Failed releases it as a failed receive, its blocks reported
   invalid, so ``kv_load_failure_policy="recompute"`` recomputes it;
-- a prefill engine with larger blocks (nP > nD), which vLLM refuses, is read in whole groups of
-  nP / nD local blocks per remote block and kvd splits them; the local blocks of a last remote
-  block too short for a whole group are reported invalid, for vLLM to recompute
-  (``kvd.vllm.split``);
+- a prefill engine with larger blocks (nP > nD), which vLLM refuses, at this rank's TP size or
+  below, is read in whole groups of nP / nD local blocks per remote block and kvd splits them;
+  the local blocks of a last remote block too short for a whole group are reported invalid,
+  for vLLM to recompute (``kvd.vllm.split``);
 - a kvd restart is answered by attaching again and re-sending what is held (kvd answers from its
   journal); a kvd gone for ``kvd_down_timeout_s`` fails what is held. Nothing hangs, and nothing
   decodes from blocks kvd did not finish.
@@ -47,6 +47,8 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from kvd.client import (
@@ -101,6 +103,7 @@ from kvd.vllm.split import (
     SplitRead,
     plan_hybrid_split_read,
     plan_split_read,
+    slice_sub_pages,
     split_remote_pages,
     split_unsupported,
 )
@@ -462,11 +465,28 @@ class KvdWorker(NixlPullConnectorWorker):
                 f"{self.block_size} need kv_load_failure_policy='recompute' (a request's last "
                 "local blocks are recomputed when its last remote block does not fill them all)"
             )
-        result: str = super().add_remote_agent(nixl_agent_meta, *args, **kwargs)
-        if split > 1:
+        if split > 1:  # before vLLM builds the remote descriptors (``_build_fa_remote``)
             self._splits[engine_id] = split
+        try:
+            result: str = super().add_remote_agent(nixl_agent_meta, *args, **kwargs)
+        except BaseException:
+            self._splits.pop(engine_id, None)
+            raise
         self._remotes[engine_id] = (fmt, block_size)
         return result
+
+    def _build_fa_remote(
+        self, plan: Any, nixl_agent_meta: Any, block_size_ratio: int
+    ) -> npt.NDArray[np.uint64]:
+        """vLLM's remote descriptors; of a split prefill engine read by this rank at a TP size
+        above the prefill's, each rank's byte range of a page cut into its sub-blocks
+        (``kvd.vllm.split.slice_sub_pages``)."""
+        descs: npt.NDArray[np.uint64]
+        descs = super()._build_fa_remote(plan, nixl_agent_meta, block_size_ratio)
+        k = self._splits.get(nixl_agent_meta.engine_id, 1)
+        if k > 1:
+            descs = slice_sub_pages(descs, nixl_agent_meta, k)
+        return descs
 
     def _validate_remote_agent_handshake(
         self, nixl_agent_meta: Any, remote_tp_size: int, *args: Any, **kwargs: Any

@@ -30,6 +30,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from kvd.vllm.groups import GroupKind
 
 
@@ -77,20 +80,57 @@ def split_unsupported(k: int, *, local_tp: int, remote_tp: int, state_groups: bo
     """Why a prefill engine whose pages split into k = nP / nD sub-pages cannot be read so;
     None when it can (or k is 1).
 
-    At another TP size vLLM picks a rank's heads by byte offsets within a page, but a sub-page
-    here is a byte range of the page, not its tokens of every head: the two do not compose
-    (no test here shows them right, so they are refused). A state group's regions are whole
-    states, not pages of tokens."""
+    At a decode TP above the prefill's, this rank reads a byte range of each remote page (its
+    heads), cut into k pieces (``slice_sub_pages``). At a prefill TP above the decode's, vLLM
+    posts one READ per prefill rank, each writing its slot of every local page; whole groups
+    would need each rank to fill only some of a group's pages, which vLLM's per-rank
+    descriptor lists cannot say, so it is refused. A state group's regions are whole states,
+    not pages of tokens."""
     if k <= 1:
         return None
-    if local_tp != remote_tp:
+    if remote_tp > local_tp:
         return (
             f"a prefill at TP {remote_tp} with blocks {k} times this engine's (TP {local_tp}): "
-            "larger prefill blocks are read only at the same TP size"
+            "larger prefill blocks are read only from a prefill at this TP size or below"
         )
     if state_groups:
         return "state (Mamba) groups' regions cannot be read as sub-pages"
     return None
+
+
+def slice_sub_pages(descs: npt.NDArray[np.uint64], meta: Any, k: int) -> npt.NDArray[np.uint64]:
+    """vLLM's remote descriptors of a split prefill engine (``meta`` as ``split_remote_pages``
+    left it) for a decode rank at a TP size above the prefill's, placed so that sub-block
+    ``i * k + j`` reads the ``j``-th of k pieces of this rank's byte range of remote page ``i``.
+
+    vLLM reads a rank's heads at ``rank_offset_factor`` times the local page length into each
+    *sub-page*: a range of one sub-page's bytes, which holds other heads than the rank's (in
+    an HND page the first sub-page holds the first heads). The rank's range of the whole page
+    starts k times further in, and its pieces follow each other, each a local page long. Rows
+    that read whole sub-pages (replicated regions: MLA) are left as they are. ``descs`` is not
+    changed; returns the placed rows (address, length, device)."""
+    placed = np.array(descs, dtype=np.uint64, copy=True)
+    row = 0
+    blocks = meta.region_num_blocks or [meta.num_blocks] * len(meta.kv_caches_base_addr)
+    for base, stride, count in zip(
+        meta.kv_caches_base_addr, meta.block_strides, blocks, strict=True
+    ):
+        rows = placed[row : row + count]
+        row += count
+        length = int(rows[0, 1]) if count else stride
+        if length >= stride:
+            continue
+        offset = int(rows[0, 0]) - int(base)  # rank_offset_factor * length
+        sub = np.arange(count, dtype=np.uint64)
+        rows[:, 0] = (
+            np.uint64(base)
+            + sub // np.uint64(k) * np.uint64(k * stride)
+            + np.uint64(k * offset)
+            + sub % np.uint64(k) * np.uint64(length)
+        )
+    if row != len(placed):
+        raise SplitError(f"{len(placed)} remote descriptors for regions of {row} blocks")
+    return placed
 
 
 @dataclass(frozen=True, slots=True)

@@ -110,6 +110,39 @@ def test_kvd_decode_at_another_tp_equals_the_single_instance(
         assert after["blocks_processed"] > before["blocks_processed"]
 
 
+def test_kvd_decode_above_the_prefill_tp_reads_larger_prefill_blocks(
+    setup: Setup, kvd: DaemonProcess
+) -> None:
+    """Prefill TP 1 at 64 -> decode TP 2 at 32 (nP > nD): each decode rank reads its heads of
+    every prefill page in two pieces (``kvd.vllm.split.slice_sub_pages``), which kvd splits
+    into two pages; a request's last local block that holds part of a remote block is
+    recomputed. Stock vLLM refuses nP > nD at the handshake at any TP size
+    (``tests/vllm/test_larger_prefill_blocks.py``). CPU attention takes blocks of multiples of
+    32 only: this pair needs a prefill of its own."""
+    prefill = Prefill(setup.work, setup.model, "NixlConnector", None, 64)
+    try:
+        prefill.wait_ready()
+        with Client(kvd.runtime_dir) as client:
+            before = client.status().counters
+        result = run_decode(
+            setup.work,
+            setup.model,
+            prefill,
+            32,
+            max_tokens=MAX_TOKENS,
+            tensor_parallel_size=2,
+            handshake_first=True,
+            extra={"kvd_runtime_dir": str(kvd.runtime_dir)},
+        )
+    finally:
+        prefill.kill()
+    assert setup.mismatches(result) == [], result["log"]
+    with Client(kvd.runtime_dir) as client:
+        after = client.status().counters
+    assert after["ready"] - before["ready"] >= 4 * 2
+    assert after["blocks_processed"] > before["blocks_processed"]
+
+
 def test_each_decode_rank_finds_its_own_kvd(setup: Setup) -> None:
     """One kvd per decode GPU, as deployed (``kvd@N.service``): a TP 2 decode given
     ``kvd_runtime_dir=.../{gpu}`` attaches rank N's cache to kvd N, hands each kvd only its
