@@ -877,6 +877,7 @@ class KvdConnector(NixlPullConnector):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         # Not NixlPullConnector.__init__: it would build a stock worker (a NIXL agent) first.
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
+        self._loads_started: Any = None
         decode = vllm_config.kv_transfer_config.kv_role != "kv_producer"
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = NixlPullConnectorScheduler(
@@ -899,10 +900,43 @@ class KvdConnector(NixlPullConnector):
                 )
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        """Before the step's forward: on CPU, post this step's READs; then hand kvd the
+        requests whose READs have all landed.
+
+        vLLM posts a step's READs after its forward, to keep their submission off the forward's
+        path, and looks at them right after: on one host a READ mostly lands as it is posted,
+        so it is seen there, and stock vLLM releases the request at that step's end. kvd, told
+        there, answers during the next forward, so each request would wait a step longer than
+        stock's. On CPU, where the forward holds the engine's thread, the READs are posted
+        before it instead (where vLLM posts loads that a forward needs): one that lands at
+        once is handed to kvd before the forward, kvd answers during it, and the request is
+        released at its end, as stock's. The blocks a READ writes are the waiting request's
+        own, which this forward does not read, and vLLM leaves them out of its zeroing of new
+        blocks. On a GPU the forward is launched, not run, on this thread: vLLM's READs are
+        posted as early, and its order stays."""
         super().bind_connector_metadata(connector_metadata)
         worker = self.connector_worker
-        if isinstance(worker, KvdWorker):
-            worker.hand_off_landed()
+        if not isinstance(worker, KvdWorker):
+            return
+        if worker.device_type == "cpu":
+            worker.start_load_kv(connector_metadata)
+            worker.stats.reads_before_forward += len(connector_metadata.reqs_to_recv)
+            self._loads_started = connector_metadata
+        worker.hand_off_landed()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """After the forward: where this step's READs were posted before it
+        (``bind_connector_metadata``), only those whose handshake finished since are."""
+        worker = self.connector_worker
+        started = self._loads_started
+        if (
+            isinstance(worker, KvdWorker)
+            and started is not None
+            and started is self._connector_metadata
+        ):
+            worker.start_load_kv(type(started)())
+            return
+        super().start_load_kv(forward_context, **kwargs)
 
     def get_mem_pool_context(self) -> Any:
         worker = self.connector_worker

@@ -48,6 +48,9 @@ class HandoffStats:
         self.early = 0
         """Requests handed off before a step's forward (their READs seen landed there)."""
         self.failed = 0
+        self.reads_before_forward = 0
+        """Requests whose READs were posted before a step's forward (queued there instead when
+        their prefill's handshake is not done). The engine's thread alone counts them."""
         self.handoff = _Figure()
         self.ready_latency = _Figure()
         self.answer_latency = _Figure()
@@ -98,6 +101,7 @@ class HandoffStats:
             "requests": self.requests,
             "early": self.early,
             "failed": self.failed,
+            "reads_before_forward": self.reads_before_forward,
             "handoff": self.handoff.report(),
             "ready_latency": self.ready_latency.report(),
             "answer_latency": self.answer_latency.report(),

@@ -131,6 +131,9 @@ def test_kvd_decode_equals_the_single_instance(
     # or after it is timing: a starved CI machine saw none early. tests/test_vllm_handles.py
     # holds both paths to their contract with real NIXL handles.
     assert 0 <= figures["early"] <= figures["requests"], figures
+    # Every READ is posted before its step's forward (vLLM posts them after it), so one that
+    # lands at once is handed to kvd before the forward and released at its end, with stock's.
+    assert figures["reads_before_forward"] == figures["requests"], figures
 
 
 def test_a_stock_decode_reads_a_kvd_prefill(setup: Setup) -> None:
