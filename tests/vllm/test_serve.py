@@ -70,7 +70,9 @@ def stock(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ser
     # here took tens of seconds. Its worker may hang in execute_model (seen with the thread on
     # and off, after decode-side prefix hits; py-spy: the worker's main thread running native
     # code, no Python frame): its engine then dies at vLLM's execute-model timeout, 60 s here
-    # rather than 300, and its error answers count as other text.
+    # rather than 300, and its error answers count as other text. On one core with one OpenMP
+    # thread: with vLLM's own binding its team spans both cores beside the recipe's servers'
+    # teams, and one stock completion took over ten minutes (a CI run of 2026-12-07).
     args = argparse.Namespace(nixl_progress_thread=False, concurrency=4, prefix_caching=True)
     with pytest.MonkeyPatch.context() as env:
         env.setenv("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "60")
@@ -87,6 +89,7 @@ def stock(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ser
                 "kv_role": "kv_consumer",
                 "kv_load_failure_policy": "recompute",
             },
+            core=max(os.sched_getaffinity(0)),
         )
     try:
         # Up before the recipe's servers start: three vLLM servers starting at once on two
