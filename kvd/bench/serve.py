@@ -67,7 +67,8 @@ Figures per decode connector (vllm bench serve's, over the timed requests):
   CPU time       kvd's and each server's CPU seconds in the run (every thread's: --keep's
                  report.json)
 Where they run: each server's processes on one core, as on a machine of its own, the
-prefill's on the first core, the decodes' (which take turns) and kvd on the last.
+prefill's on the first core, the decodes' (which take turns) on the last, kvd on a core
+apart from the decode's (a third core if there is one, else the prefill's: --kvd-core).
 Targets, on the medians of the runs: throughput >= stock, TTFT p50 <= 1.05x and p99 <= 1.0x
 stock's, ITL p99 <= stock's, e2e p50 <= stock's.
 """
