@@ -140,8 +140,6 @@ def test_cpu_time_of_live_threads_is_read_to_the_nanosecond(
     assert used == (sum(after.threads_ns.values()) - sum(before.threads_ns.values())) / 1e9
 
 
-@pytest.mark.slow
-@two_cpus
 def test_a_stat_line_names_its_process_whatever_the_name_holds() -> None:
     """A process may name itself with spaces and parentheses (``prctl``); the fields after
     the name are read from its last ``)``."""
@@ -163,6 +161,8 @@ def test_a_stat_line_names_its_process_whatever_the_name_holds() -> None:
         read_stat(path)
 
 
+@pytest.mark.slow
+@two_cpus
 def test_the_pipeline_bench_says_where_its_processes_ran() -> None:
     tiny = ("bench", "pipeline", "--rounds", "1", "--messages", "300", "--latency-samples", "30")
     done = kvd(*tiny, "--json", timeout=300)
