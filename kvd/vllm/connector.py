@@ -877,7 +877,6 @@ class KvdConnector(NixlPullConnector):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         # Not NixlPullConnector.__init__: it would build a stock worker (a NIXL agent) first.
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
-        self._loads_started: Any = None
         decode = vllm_config.kv_transfer_config.kv_role != "kv_producer"
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = NixlPullConnectorScheduler(
@@ -918,25 +917,24 @@ class KvdConnector(NixlPullConnector):
         worker = self.connector_worker
         if not isinstance(worker, KvdWorker):
             return
-        if worker.device_type == "cpu":
+        if self._reads_before_forward():
             worker.start_load_kv(connector_metadata)
             worker.stats.reads_before_forward += len(connector_metadata.reqs_to_recv)
-            self._loads_started = connector_metadata
         worker.hand_off_landed()
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """After the forward: where this step's READs were posted before it
         (``bind_connector_metadata``), only those whose handshake finished since are."""
         worker = self.connector_worker
-        started = self._loads_started
-        if (
-            isinstance(worker, KvdWorker)
-            and started is not None
-            and started is self._connector_metadata
-        ):
-            worker.start_load_kv(type(started)())
+        if isinstance(worker, KvdWorker) and self._reads_before_forward():
+            worker.start_load_kv(type(self._connector_metadata)())
             return
         super().start_load_kv(forward_context, **kwargs)
+
+    def _reads_before_forward(self) -> bool:
+        """Whether this decode worker posts a step's READs before its forward: on CPU."""
+        worker = self.connector_worker
+        return isinstance(worker, KvdWorker) and worker.device_type == "cpu"
 
     def get_mem_pool_context(self) -> Any:
         worker = self.connector_worker
