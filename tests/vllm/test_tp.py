@@ -41,11 +41,20 @@ class Setup:
     """Prefill TP size -> a stock prefill instance at that TP, blocks of 32 tokens."""
     baseline: list[dict[str, Any]]
 
-    def decode(self, prefill_tp: int, decode_tp: int, block_size: int, **config: Any) -> Any:
+    def decode(
+        self,
+        prefill_tp: int,
+        decode_tp: int,
+        block_size: int,
+        *,
+        prefill: Prefill | None = None,
+        **config: Any,
+    ) -> Any:
+        """A decode at ``decode_tp`` from the TP ``prefill_tp`` instance, or from ``prefill``."""
         return run_decode(
             self.work,
             self.model,
-            self.prefills[prefill_tp],
+            self.prefills[prefill_tp] if prefill is None else prefill,
             block_size,
             max_tokens=MAX_TOKENS,
             tensor_parallel_size=decode_tp,
@@ -124,16 +133,8 @@ def test_kvd_decode_above_the_prefill_tp_reads_larger_prefill_blocks(
         prefill.wait_ready()
         with Client(kvd.runtime_dir) as client:
             before = client.status().counters
-        result = run_decode(
-            setup.work,
-            setup.model,
-            prefill,
-            32,
-            max_tokens=MAX_TOKENS,
-            tensor_parallel_size=2,
-            handshake_first=True,
-            extra={"kvd_runtime_dir": str(kvd.runtime_dir)},
-        )
+        extra = {"kvd_runtime_dir": str(kvd.runtime_dir)}
+        result = setup.decode(1, 2, 32, prefill=prefill, extra=extra)
     finally:
         prefill.kill()
     assert setup.mismatches(result) == [], result["log"]
