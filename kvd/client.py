@@ -34,8 +34,6 @@ from kvd.endpoints import (
     read_endpoints,
 )
 from kvd.protocol import (
-    GROUPS_VERSION,
-    PROTOCOL_VERSION,
     Attach,
     Attached,
     BatchWindow,
@@ -59,6 +57,7 @@ from kvd.protocol import (
     RequestStatus,
     Status,
     TensorSpec,
+    read_done_version,
 )
 from kvd.subscription import AsyncSubscription, Delivery, EventsLost, ReplayError, Subscription
 
@@ -179,6 +178,7 @@ class ReadDoneFields(TypedDict, total=False):
     covered_sub_blocks: int
     generation: int
     cuda_event: bytes
+    remote_ranks: int
 
 
 def read_done_message(
@@ -191,14 +191,15 @@ def read_done_message(
 ) -> bytes:
     """The encoded ReadDone of ``req_id``'s blocks ``block_ids`` in ``cache_id``; ``groups``:
     (blocks, covered_sub_blocks) of each KV cache group of a hybrid model, splitting
-    ``block_ids`` in order (sent as protocol version 2)."""
+    ``block_ids`` in order (sent as protocol version 2, or 3 with ``remote_ranks`` above 1:
+    ``read_done_version``)."""
     return _ENCODER.encode(
         ReadDone(
             req_id=req_id,
             cache_id=cache_id,
             physical_block_ids=list(block_ids),
             groups=[BlockGroup(num_blocks=n, covered_sub_blocks=c) for n, c in groups],
-            v=GROUPS_VERSION if groups else PROTOCOL_VERSION,
+            v=read_done_version(groups=bool(groups), remote_ranks=fields.get("remote_ranks", 0)),
             **fields,
         )
     )

@@ -19,6 +19,18 @@ PROTOCOL_VERSION: Final = 1
 GROUPS_VERSION: Final = 2
 """The ``v`` of a ``ReadDone`` that lists ``groups``: a kvd that does not know them refuses it
 (``unsupported_version``) instead of rewriting every group as one. kvd takes both."""
+RANKS_VERSION: Final = 3
+"""The ``v`` of a ``ReadDone`` whose ``remote_ranks`` is above 1 (with or without ``groups``):
+a kvd that does not know the field refuses it instead of rewriting interleaved pieces as one
+page's bytes."""
+
+
+def read_done_version(*, groups: bool, remote_ranks: int) -> int:
+    """The ``v`` a ReadDone with (or without) ``groups`` and these ``remote_ranks`` carries."""
+    if remote_ranks > 1:
+        return RANKS_VERSION
+    return GROUPS_VERSION if groups else PROTOCOL_VERSION
+
 
 # Event frames are (topic, seq, payload) with seq an unsigned 64-bit big-endian integer.
 # A replay answer ends with a frame whose seq is END_SEQ and whose payload is a ReplayEnd.
@@ -410,6 +422,12 @@ class ReadDone(_Message, tag="read_done", kw_only=True):
     vLLM's NIXL worker counts them: ``min(len(local) * ratio, len(remote))``): the tokens past
     them in the block they end in, and every later listed block, are zeroed, as vLLM does.
 
+    ``remote_ranks``, when above 1 (with ``v`` = ``RANKS_VERSION``), says the READs came from
+    that many remote ranks, one each, and each rank's page (nP > nD: its heads, nP tokens)
+    landed in nP / nD pieces, piece ``j`` of every rank side by side, rank by rank, in the
+    ``j``-th local block of a group; the remote format, heads outermost, describes the ranks'
+    pages back to back. 0 or 1: one rank's pages, or nP <= nD, where each lands whole.
+
     ``groups``, when given (with ``v`` = ``GROUPS_VERSION``), splits ``physical_block_ids`` into
     the request's KV cache groups, in order, each with its own coverage; the top-level
     ``covered_sub_blocks`` is then 0. The request is one notification: one outcome for every
@@ -436,6 +454,7 @@ class ReadDone(_Message, tag="read_done", kw_only=True):
     generation: NonNegative = 0
     groups: list[BlockGroup] = []
     cuda_event: bytes = b""
+    remote_ranks: NonNegative = 0
 
 
 class ReadFailed(_Message, tag="read_failed"):

@@ -175,6 +175,18 @@ def golden_messages() -> dict[str, tuple[str, Any]]:
                 v=p.GROUPS_VERSION,
             ),
         ),
+        "read_done_remote_ranks": (
+            "ingest",
+            p.ReadDone(
+                req_id="req-6",
+                cache_id="engine0",
+                remote_format="cpu_attn_vec",
+                physical_block_ids=[3, 8],
+                remote_block_size=64,
+                remote_ranks=2,
+                v=p.RANKS_VERSION,
+            ),
+        ),
         "read_done_cuda_event": (
             "ingest",
             p.ReadDone(

@@ -20,6 +20,7 @@ def req(
     layout: str = "HND",
     at: int = 0,
     generation: int = 0,
+    remote_ranks: int = 1,
 ) -> Request:
     return Request(
         req_id=req_id,
@@ -30,6 +31,7 @@ def req(
         remote_block_size=remote_block_size,
         remote_engine_id="",
         received_ns=at,
+        remote_ranks=remote_ranks,
     )
 
 
@@ -38,22 +40,24 @@ def req_ids(batches: list[Batch]) -> list[str]:
     return [r.req_id for batch in batches for r in batch.requests]
 
 
-def test_groups_by_cache_remote_format_and_block_size() -> None:
+def test_groups_by_cache_remote_format_block_size_and_ranks() -> None:
     b = Batcher(window_ns=100 * US, max_blocks=100)
     b.add(req("a", [1]), 0)
     b.add(req("b", [2], remote_block_size=4), 0)
     b.add(req("c", [3]), 0)
     b.add(req("d", [4], layout="NHD"), 0)
     b.add(req("e", [5], cache="other"), 0)
+    b.add(req("f", [6], remote_ranks=2), 0)
     batches = b.take_due(100 * US)
     groups = {batch.key: [r.req_id for r in batch.requests] for batch in batches}
     assert groups == {
-        ("c", "HND", 16): ["a", "c"],
-        ("c", "HND", 4): ["b"],
-        ("c", "NHD", 16): ["d"],
-        ("other", "HND", 16): ["e"],
+        ("c", "HND", 16, 1): ["a", "c"],
+        ("c", "HND", 4, 1): ["b"],
+        ("c", "NHD", 16, 1): ["d"],
+        ("other", "HND", 16, 1): ["e"],
+        ("c", "HND", 16, 2): ["f"],
     }
-    assert [batch.block_ids() for batch in batches if batch.key == ("c", "HND", 16)] == [[1, 3]]
+    assert [batch.block_ids() for batch in batches if batch.key == ("c", "HND", 16, 1)] == [[1, 3]]
     assert len(b) == 0
 
 

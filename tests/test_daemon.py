@@ -199,8 +199,9 @@ BAD_NOTIFICATIONS = [
     ({"block_size_ratio": "2"}, "invalid_message", "$.block_size_ratio"),
     ({"remote_layout": None}, "invalid_format", "give the remote page format"),
     ({"type": "read_later"}, "invalid_message", "Invalid value 'read_later' - at `$.type`"),
-    ({"v": 3}, "unsupported_version", "protocol version 3"),
-    ({"v": 2}, "invalid_message", "groups: a ReadDone lists groups exactly when its v is 2"),
+    ({"v": 4}, "unsupported_version", "protocol version 4"),
+    ({"v": 2}, "invalid_message", "v: a ReadDone with 0 groups and remote_ranks 0 carries v 1"),
+    ({"remote_ranks": 2}, "invalid_message", "remote_ranks 2 carries v 3, not 1"),
     ({"req_id": "", "cache_id": "x"}, None, None),  # empty req_id: nobody to answer
 ]
 

@@ -177,3 +177,60 @@ def test_block_sizes_must_divide() -> None:
         plan(PRESETS["HND"], PRESETS["NHD"], S, 16, covered=5)
     with pytest.raises(ValueError, match=r"covered must be in \[0, 1\]"):
         plan(PRESETS["HND"], PRESETS["NHD"], S, 128, covered=2)
+
+
+@pytest.mark.parametrize(
+    ("remote", "local", "kv"),
+    [
+        ("HND", "NHD", "k"),
+        ("HND", "HND", "v"),
+        ("cpu_attn_vec", "cpu_attn_vec", "k"),
+        ("LBHNC", "LBNHC", "k"),
+        ("blocks_first_HND", "blocks_first_NHD", "k"),
+    ],
+)
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("k", [2, 4])
+def test_ranks_interleaved_pieces_rewrite_as_their_pages_back_to_back(
+    remote: str, local: str, kv: str, ranks: int, k: int
+) -> None:
+    """With ``remote_ranks`` R, the j-th local page of a group holds piece j of each of R rank
+    pages side by side: the plan rewrites it as the plain plan rewrites the R pages back to
+    back (with heads outermost, one page of every head)."""
+    sizes = PageSizes(num_layers=1, num_heads=4, block_size=8, head_dim=4, itemsize=2)
+    remote_fmt, local_fmt = PRESETS[remote], PRESETS[local]
+    ranked = plan(remote_fmt, local_fmt, sizes, 8 * k, kv=kv, remote_ranks=ranks)  # type: ignore[arg-type]
+    plain = plan(remote_fmt, local_fmt, sizes, 8 * k, kv=kv)  # type: ignore[arg-type]
+    pages = np.random.default_rng(10 * ranks + k).integers(0, 256, plain.group_bytes, np.uint8)
+    landed = pages.reshape(ranks, k, -1).transpose(1, 0, 2).reshape(-1)
+    assert not np.array_equal(landed, pages)
+    want = execute_runs(plain.runs, pages, plain.page_bytes)
+    assert np.array_equal(execute_runs(ranked.runs, landed, ranked.page_bytes), want)
+    assert needs_work(remote_fmt, local_fmt, sizes, 8 * k, remote_ranks=ranks)
+
+
+def test_ranks_pages_land_whole_at_remote_blocks_no_larger() -> None:
+    sizes = PageSizes(num_layers=1, num_heads=4, block_size=32, head_dim=4, itemsize=2)
+    hnd, nhd = PRESETS["HND"], PRESETS["NHD"]
+    for n_p in (8, 32):
+        assert plan(hnd, nhd, sizes, n_p, remote_ranks=2).same_moves(plan(hnd, nhd, sizes, n_p))
+    assert not needs_work(hnd, hnd, sizes, 32, remote_ranks=4)
+
+
+@pytest.mark.parametrize(
+    ("remote", "ranks", "message"),
+    [
+        ("NHD", 2, "heads outermost in the remote format, which has N outermost"),
+        ("BLHNC", 2, "which has L outermost"),
+        ("HND", 3, "3 ranks do not share the page's 4 heads evenly"),
+        ("HND", 8, "8 ranks do not share"),
+    ],
+)
+def test_ranks_pages_that_are_not_one_page_are_refused(remote: str, ranks: int, message: str):
+    sizes = PageSizes(num_layers=2, num_heads=4, block_size=8, head_dim=4, itemsize=2)
+    local = PRESETS["BLHNC" if remote == "BLHNC" else "HND"]
+    for call in (plan, needs_work):
+        with pytest.raises(FormatError, match=f"remote_ranks: .*{message}"):
+            call(PRESETS[remote], local, sizes, 16, remote_ranks=ranks)
+    with pytest.raises(ValueError, match="remote_ranks must be >= 1"):
+        plan(PRESETS["HND"], PRESETS["HND"], sizes, 16, remote_ranks=0)

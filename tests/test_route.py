@@ -92,7 +92,7 @@ def test_a_peer_naming_ever_new_block_sizes_leaves_the_routes_bounded(
         msg = read_done(f"r{k}", [0], "NHD", remote_block_size=16 * k)
         validate_read_done(msg, registry, ledger)
     assert len(cache.routes) <= ROUTES_PER_CACHE
-    newest = cache.routes[(None, "NHD", 0, 16 * (4 * ROUTES_PER_CACHE - 1))]
+    newest = cache.routes[(None, "NHD", 0, 16 * (4 * ROUTES_PER_CACHE - 1), 0)]
     assert isinstance(newest, Route) and newest.pages == 4 * ROUTES_PER_CACHE - 1
 
 
@@ -121,15 +121,21 @@ def test_groups_split_the_block_ids_and_each_fits_on_its_own(
             "c", [0, 1, 2], [(1, 0), (2, 5)]
         ),
         "covered_sub_blocks: with groups": grouped("d", [0], [(1, 1)], covered_sub_blocks=1),
-        "groups: a ReadDone lists groups exactly when its v is 2 (v 1, 1 groups)": ReadDone(
+        "v: a ReadDone with 1 groups and remote_ranks 0 carries v 2, not 1": ReadDone(
             req_id="e",
             cache_id="c",
             remote_layout="HND",
             physical_block_ids=[0],
             groups=[BlockGroup(num_blocks=1)],
         ),
-        "groups: a ReadDone lists groups exactly when its v is 2 (v 2, 0 groups)": ReadDone(
+        "v: a ReadDone with 0 groups and remote_ranks 0 carries v 1, not 2": ReadDone(
             req_id="f", cache_id="c", remote_layout="HND", physical_block_ids=[0], v=2
+        ),
+        "v: a ReadDone with 0 groups and remote_ranks 2 carries v 3, not 1": ReadDone(
+            req_id="h", cache_id="c", remote_layout="HND", physical_block_ids=[0], remote_ranks=2
+        ),
+        "v: a ReadDone with 1 groups and remote_ranks 2 carries v 3, not 2": grouped(
+            "i", [0], [(1, 0)], remote_ranks=2
         ),
     }
     for text, msg in cases.items():
@@ -137,7 +143,7 @@ def test_groups_split_the_block_ids_and_each_fits_on_its_own(
         assert isinstance(verdict, Rejection) and verdict.code == Reason.INVALID_MESSAGE, text
         assert verdict.message.startswith(text), verdict.message
     three = validate_read_done(
-        ReadDone(req_id="g", cache_id="c", remote_layout="HND", physical_block_ids=[0], v=3),
+        ReadDone(req_id="g", cache_id="c", remote_layout="HND", physical_block_ids=[0], v=4),
         registry,
         ledger,
     )

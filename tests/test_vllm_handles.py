@@ -100,7 +100,7 @@ def decode_worker(connector: Any, agent: Any, link: StepLink) -> Any:
     worker._send_pending_recv_notifs = lambda req_id: None
     # kvd's side of the step.
     worker.cache_id, worker.block_size = "vllm.decode.0", BLOCK_SIZE
-    worker._remotes = {"prefill": ("cpu_attn_vec", BLOCK_SIZE)}
+    worker._remotes, worker._ranks = {"prefill": ("cpu_attn_vec", BLOCK_SIZE)}, {}
     worker._groups = [Group("full", BLOCK_SIZE, ("layer.0",))]
     worker._holding, worker._unsent, worker._split_reads, worker._metas = Holding(), [], {}, {}
     worker._markers, worker._step_marker = None, b""

@@ -317,10 +317,27 @@ SPLIT = [
     (4, 1, 2, 64, 32, "LBHNC", "LBHNC"),
     (4, 1, 2, 64, 32, "LBHNC", "LBNHC"),
 ]
+RANKED = [
+    # prefill blocks larger than the decode's at a prefill TP above the decode's: each prefill
+    # rank's page lands in k pieces, piece j of every rank side by side in the j-th local page
+    # (``ReadDone.remote_ranks``)
+    (2, 2, 1, 64, 32, "cpu_attn_vec", "cpu_attn_vec"),
+    (4, 2, 1, 64, 32, "cpu_attn_vec", "cpu_attn_vec"),
+    (4, 2, 1, 128, 32, "cpu_attn_vec", "cpu_attn_vec"),
+    (4, 4, 1, 64, 32, "cpu_attn_vec", "cpu_attn_vec"),
+    (4, 4, 2, 64, 32, "cpu_attn_vec", "cpu_attn_vec"),
+    (4, 2, 1, 64, 32, "LBHNC", "LBHNC"),
+    (4, 2, 1, 64, 32, "LBHNC", "LBNHC"),
+]
 
 
 def run_case(
-    vllm: SimpleNamespace, case: tuple[Any, ...], *, lift: bool = False, slice_pages: bool = True
+    vllm: SimpleNamespace,
+    case: tuple[Any, ...],
+    *,
+    lift: bool = False,
+    slice_pages: bool = True,
+    ranked: bool = True,
 ) -> None:
     total_heads, p_tp, d_tp, n_p, n_d, remote_fmt, local_fmt = case
     torch.manual_seed(zlib.crc32(case_id(case).encode()))
@@ -358,6 +375,7 @@ def run_case(
         assert covered is not None
     layout = "LBHNC"  # what a prefill of either format says in its handshake on CPU/GPU here
     fmt = landed_format(remote_fmt, local_tp=d_tp, remote_tp=p_tp)
+    remote_ranks = max(p_tp // d_tp, 1) if k > 1 and ranked else 1
     d_num = 3 * local_blocks
     for rank in range(d_tp):
         heads = rank_heads(total_heads, d_tp, rank)
@@ -409,7 +427,7 @@ def run_case(
                 head_dim=HEAD_DIM,
             )
             post = CachePostProcess(region_views(tensor, tensor_geometry(spec)))
-            post.apply([(local_ids, covered)], fmt, n_p)
+            post.apply([(local_ids, covered)], fmt, n_p, remote_ranks=remote_ranks)
             for j, block in enumerate(local_ids):
                 assert torch.equal(tensor[block], want[layer][j]), (
                     f"decode rank {rank}, layer {layer}, block {j} of {local_blocks}"
@@ -451,6 +469,23 @@ def test_vllm_s_sub_page_offsets_alone_read_other_ranks_heads(vllm) -> None:
     page: in an HND page another rank's heads (why the pair was refused before)."""
     with pytest.raises(AssertionError, match="decode rank 0, layer 0, block 0"):
         run_case(vllm, SPLIT[0], slice_pages=False)
+
+
+@pytest.mark.parametrize("case", RANKED, ids=case_id)
+def test_larger_prefill_blocks_from_a_higher_prefill_tp_land_interleaved_by_rank(
+    vllm, case
+) -> None:
+    """vLLM's READs from a prefill at R times the decode's TP, each prefill rank's page split
+    into k sub-pages, write rank r's j-th piece at slot r of the group's j-th local page: kvd,
+    told ``remote_ranks`` R, rewrites the group from that arrangement."""
+    run_case(vllm, case)
+
+
+def test_ranks_interleaved_pages_read_as_one_page_are_wrong(vllm) -> None:
+    """Without ``remote_ranks`` the same landed bytes rewrite wrong: the pieces are not one
+    page's bytes in order (why the pair was refused before)."""
+    with pytest.raises(AssertionError, match="decode rank 0, layer 0, block 0"):
+        run_case(vllm, RANKED[0], ranked=False)
 
 
 def test_a_remote_format_whose_head_slices_are_not_pages_is_refused_by_name() -> None:

@@ -20,8 +20,8 @@ import msgspec
 from kvd.daemon.ledger import RemoteFormat, Request
 from kvd.daemon.window import AutoWindow
 
-BatchKey = tuple[str, RemoteFormat, int]
-"""(cache_id, remote_format, remote_block_size)."""
+BatchKey = tuple[str, RemoteFormat, int, int]
+"""(cache_id, remote_format, remote_block_size, remote_ranks)."""
 
 
 class Batch(msgspec.Struct, eq=False, gc=False):
@@ -47,6 +47,10 @@ class Batch(msgspec.Struct, eq=False, gc=False):
     @property
     def remote_block_size(self) -> int:
         return self.key[2]
+
+    @property
+    def remote_ranks(self) -> int:
+        return self.key[3]
 
     def block_ids(self) -> list[int]:
         return [b for r in self.requests for b in r.physical_block_ids]
@@ -109,7 +113,12 @@ class Batcher:
         deadline to the auto window's patience from now), never past the auto window, and goes
         at once when the ``held`` requests kvd holds (this one included) are all it held lately.
         """
-        key = (request.cache_id, request.remote_format, request.remote_block_size)
+        key = (
+            request.cache_id,
+            request.remote_format,
+            request.remote_block_size,
+            request.remote_ranks,
+        )
         n = len(request.physical_block_ids)
         auto = self.auto
         if auto is not None:

@@ -51,6 +51,8 @@ class Request(msgspec.Struct, kw_only=True, eq=False, gc=False):
     remote_block_size: int
     remote_engine_id: str
     received_ns: int
+    remote_ranks: int = 1
+    """Remote ranks whose pages landed interleaved (``ReadDone.remote_ranks``, at least 1)."""
     covered_sub_blocks: int = 0
     groups: list[tuple[int, int]] | None = None
     """(blocks, covered_sub_blocks) of each KV cache group, splitting ``physical_block_ids`` in

@@ -178,6 +178,7 @@ class Pipeline:
                 physical_block_ids=msg.physical_block_ids,
                 remote_format=verdict.remote_format,
                 remote_block_size=verdict.remote_block_size,
+                remote_ranks=verdict.remote_ranks,
                 remote_engine_id=msg.remote_engine_id,
                 received_ns=received_ns,
                 covered_sub_blocks=msg.covered_sub_blocks,
@@ -356,7 +357,9 @@ class Pipeline:
             for request in batch.requests:
                 self.ledger.advance(request, State.LAUNCHED)
                 metrics.queue_wait.observe((now - request.received_ns) / 1e9)
-            rewrites = cache.rewrites(batch.remote_format, batch.remote_block_size)
+            rewrites = cache.rewrites(
+                batch.remote_format, batch.remote_block_size, batch.remote_ranks
+            )
             requests = [part for r in batch.requests for part in r.parts()]
             item = WorkItem(batch, rewrites, requests, batch.num_blocks * cache.work_bytes)
             item.markers = [r.cuda_event for r in batch.requests if r.cuda_event]

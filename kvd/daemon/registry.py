@@ -62,24 +62,27 @@ class AttachedCache:
     """Why the cache is being detached: new notifications are refused, those in flight end."""
     routes: dict[RouteKey, Route | Rejection] = field(default_factory=dict)
     """Each remote side seen, decided once (``validate.route``); at most ``ROUTES_PER_CACHE``."""
-    _rewrites: dict[tuple[RemoteFormat, int], list[Rewrite]] = field(default_factory=dict)
+    _rewrites: dict[tuple[RemoteFormat, int, int], list[Rewrite]] = field(default_factory=dict)
     work_bytes: int = field(init=False)
     """Bytes one block id stands for across every region of the cache (read at each launch)."""
 
     def __post_init__(self) -> None:
         self.work_bytes = sum(p.block_bytes for p in self.postprocesses.values())
 
-    def rewrites(self, remote: RemoteFormat, remote_block_size: int) -> list[Rewrite]:
-        """The kernel passes of a batch from ``remote`` at ``remote_block_size`` tokens.
+    def rewrites(
+        self, remote: RemoteFormat, remote_block_size: int, remote_ranks: int = 1
+    ) -> list[Rewrite]:
+        """The kernel passes of a batch from ``remote`` at ``remote_block_size`` tokens, landed
+        from ``remote_ranks`` ranks (``ReadDone.remote_ranks``).
 
         Cheap and memoised (plans are built by the executor, on first use): safe on the loop.
         Raises ``FormatError`` when the remote format cannot land in a local one.
         """
-        key = (remote, remote_block_size)
+        key = (remote, remote_block_size, remote_ranks)
         known = self._rewrites.get(key)
         if known is None:
             known = [
-                Rewrite(postprocess, _remote_for(local, remote), remote_block_size)
+                Rewrite(postprocess, _remote_for(local, remote), remote_block_size, remote_ranks)
                 for local, postprocess in self.postprocesses.items()
             ]
             for rewrite in known:  # the format pair is checked now, not on the executor

@@ -31,9 +31,9 @@ class Rejection:
     message: str
 
 
-RouteKey = tuple[FormatRef | None, Layout | None, int, int]
+RouteKey = tuple[FormatRef | None, Layout | None, int, int, int]
 """A remote side as a ReadDone states it: (remote_format, remote_layout, block_size_ratio,
-remote_block_size)."""
+remote_block_size, remote_ranks)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -44,13 +44,18 @@ class Rewrite:
     postprocess: CachePostProcess
     remote: PageFormat
     remote_block_size: int
+    remote_ranks: int = 1
 
     def needs_work(self, covered: int, num_ids: int) -> bool:
-        return self.postprocess.needs_work(self.remote, self.remote_block_size, covered, num_ids)
+        return self.postprocess.needs_work(
+            self.remote, self.remote_block_size, covered, num_ids, remote_ranks=self.remote_ranks
+        )
 
     def apply(self, requests: list[tuple[list[int], int]]) -> None:
         """Rewrite each (block ids, covered_sub_blocks) request (executor thread)."""
-        self.postprocess.apply(requests, self.remote, self.remote_block_size)
+        self.postprocess.apply(
+            requests, self.remote, self.remote_block_size, remote_ranks=self.remote_ranks
+        )
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -69,6 +74,8 @@ class Route:
     rewrites: list[Rewrite]
     moves_bytes: bool
     """Whether the format pair moves any byte of a fully covered group."""
+    remote_ranks: int = 1
+    """Remote ranks whose pages landed interleaved (``ReadDone.remote_ranks``, at least 1)."""
 
     def needs_work(self, covered: int, num_ids: int) -> bool:
         """Whether any byte of a request of ``num_ids`` blocks changes: the format pair moves

@@ -33,9 +33,11 @@ from kvd.protocol import (
     CUDA_IPC_HANDLE_BYTES,
     GROUPS_VERSION,
     PROTOCOL_VERSION,
+    RANKS_VERSION,
     ReadDone,
     ReadFailed,
     Reason,
+    read_done_version,
 )
 
 _BLOCK_ID_REASONS: dict[BlockIdFault, Reason] = {
@@ -104,11 +106,12 @@ def parts(msg: ReadDone) -> list[tuple[int, int]]:
 
 def validate_read_done(msg: ReadDone, registry: Registry, ledger: Ledger) -> Verdict:
     """The verdict on ``msg``: known, acceptable (its route), or refused."""
-    if msg.v not in (PROTOCOL_VERSION, GROUPS_VERSION):
+    if msg.v not in (PROTOCOL_VERSION, GROUPS_VERSION, RANKS_VERSION):
         return Rejection(
             Reason.UNSUPPORTED_VERSION,
             f"v: protocol version {msg.v} is not supported (this kvd speaks "
-            f"{PROTOCOL_VERSION}, and {GROUPS_VERSION} for a ReadDone with groups)",
+            f"{PROTOCOL_VERSION}, {GROUPS_VERSION} for a ReadDone with groups, and "
+            f"{RANKS_VERSION} for one with remote_ranks)",
         )
     broken_groups = _groups_problem(msg)
     if broken_groups is not None:
@@ -127,7 +130,13 @@ def validate_read_done(msg: ReadDone, registry: Registry, ledger: Ledger) -> Ver
         problem = _marker_problem(msg.cuda_event, cache)
         if problem is not None:
             return Rejection(Reason.INVALID_MESSAGE, problem)
-    key = (msg.remote_format, msg.remote_layout, msg.block_size_ratio, msg.remote_block_size)
+    key = (
+        msg.remote_format,
+        msg.remote_layout,
+        msg.block_size_ratio,
+        msg.remote_block_size,
+        msg.remote_ranks,
+    )
     found = cache.routes.get(key)
     if found is None:
         found = remember(cache.routes, key, route(cache, msg))
@@ -158,11 +167,13 @@ def validate_read_done(msg: ReadDone, registry: Registry, ledger: Ledger) -> Ver
 
 
 def _groups_problem(msg: ReadDone) -> str | None:
-    """Why ``msg``'s ``groups`` do not split its ``physical_block_ids``; None when they do."""
-    if bool(msg.groups) != (msg.v == GROUPS_VERSION):
+    """Why ``msg``'s ``v``, ``groups`` and ``remote_ranks`` disagree, or its ``groups`` do not
+    split its ``physical_block_ids``; None when they agree."""
+    want = read_done_version(groups=bool(msg.groups), remote_ranks=msg.remote_ranks)
+    if msg.v != want:
         return (
-            f"groups: a ReadDone lists groups exactly when its v is {GROUPS_VERSION} "
-            f"(v {msg.v}, {len(msg.groups)} groups)"
+            f"v: a ReadDone with {len(msg.groups)} groups and remote_ranks {msg.remote_ranks} "
+            f"carries v {want}, not {msg.v}"
         )
     if not msg.groups:
         return None
@@ -206,13 +217,21 @@ def route(cache: AttachedCache, msg: ReadDone) -> Route | Rejection:
     except ValueError as exc:
         return Rejection(Reason.INVALID_RATIO, str(exc))
     try:
-        rewrites = cache.rewrites(remote, remote_block_size)
+        rewrites = cache.rewrites(remote, remote_block_size, max(msg.remote_ranks, 1))
+        moves_bytes = any(r.needs_work(0, 0) for r in rewrites)
     except FormatError as exc:
         code = Reason.INVALID_FORMAT if msg.remote_format is not None else Reason.INVALID_LAYOUT
         return Rejection(code, f"{exc}")
     pages, remote_pages = group_shape(cache.block_size, remote_block_size)
-    moves_bytes = any(r.needs_work(0, 0) for r in rewrites)
-    return Route(remote, remote_block_size, pages, remote_pages, rewrites, moves_bytes)
+    return Route(
+        remote,
+        remote_block_size,
+        pages,
+        remote_pages,
+        rewrites,
+        moves_bytes,
+        max(msg.remote_ranks, 1),
+    )
 
 
 def _remote_format(msg: ReadDone) -> RemoteFormat | Rejection:

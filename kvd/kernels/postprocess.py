@@ -192,8 +192,8 @@ class CachePostProcess:
         self.num_blocks = first.num_blocks
         self.block_size = first.sizes.block_size
         self.backend = self._pick_backend(backend)
-        self._launches: dict[tuple[FormatRef, int, int], list[_Launch]] = {}
-        self._needs_work: dict[tuple[FormatRef, int], bool] = {}
+        self._launches: dict[tuple[FormatRef, int, int, int], list[_Launch]] = {}
+        self._needs_work: dict[tuple[FormatRef, int, int], bool] = {}
         self._lane = lane
         self._on_device: dict[_Bundle, Regions] = {}
         self._zeroes: dict[_Bundle, _Launch] = {}
@@ -219,7 +219,13 @@ class CachePostProcess:
         return "torch"
 
     def needs_work(
-        self, remote: FormatRef, remote_block_size: int, covered: int = 0, num_ids: int = 0
+        self,
+        remote: FormatRef,
+        remote_block_size: int,
+        covered: int = 0,
+        num_ids: int = 0,
+        *,
+        remote_ranks: int = 1,
     ) -> bool:
         """Whether ``apply`` would change any byte of a request of ``num_ids`` blocks.
 
@@ -231,18 +237,33 @@ class CachePostProcess:
         pages, remote_pages = group_shape(self.block_size, remote_block_size)
         if covered and (not num_ids or covered < num_ids // pages * remote_pages):
             return True
-        key = (remote, remote_block_size)
+        key = (remote, remote_block_size, remote_ranks)
         known = self._needs_work.get(key)
         if known is None:
             checked = resolve(remote, "remote_format")
             known = self._needs_work[key] = any(
-                planner.needs_work(checked, b.format, b.sizes, remote_block_size, kv=b.kv)
+                planner.needs_work(
+                    checked,
+                    b.format,
+                    b.sizes,
+                    remote_block_size,
+                    kv=b.kv,
+                    remote_ranks=remote_ranks,
+                )
                 for b in self._bundles
             )
         return known
 
-    def apply(self, requests: Sequence[Request], remote: FormatRef, remote_block_size: int) -> None:
-        """Rewrite every listed block of every region, landed in ``remote`` at nP tokens.
+    def apply(
+        self,
+        requests: Sequence[Request],
+        remote: FormatRef,
+        remote_block_size: int,
+        *,
+        remote_ranks: int = 1,
+    ) -> None:
+        """Rewrite every listed block of every region, landed in ``remote`` at nP tokens (from
+        ``remote_ranks`` ranks, interleaved: ``planner.plan``).
 
         Raises, before anything is written: ``ValueError`` for ids not of a ``BlockIds`` kind,
         out of range or listed twice (over all requests), a request whose ids do not fill whole
@@ -277,7 +298,7 @@ class CachePostProcess:
                 (launch, np.asarray(ids, dtype=np.int64).reshape(-1, pages))
                 for covered, ids in work
                 if ids
-                for launch in self._launches_for(remote, remote_block_size, covered)
+                for launch in self._launches_for(remote, remote_block_size, covered, remote_ranks)
             ]
             if unreached:
                 groups = np.asarray(unreached, dtype=np.int64).reshape(-1, 1)
@@ -298,7 +319,7 @@ class CachePostProcess:
             known = self._zeroes[bundle] = _Launch(bundle, plan)
         return known
 
-    def warm_up(self, remote: FormatRef, remote_block_size: int) -> None:
+    def warm_up(self, remote: FormatRef, remote_block_size: int, remote_ranks: int = 1) -> None:
         """Compile the kernels a request in ``remote`` at nP would launch, on scratch pages
         (never the cache's): CUDA's first launch of a kernel shape pays its compilation.
 
@@ -308,9 +329,9 @@ class CachePostProcess:
         takes seconds, so it belongs to the attach worker. Otherwise asynchronous, like
         ``apply``."""
         with self._launching():
-            launches = self._launches_for(remote, remote_block_size, 0)
+            launches = self._launches_for(remote, remote_block_size, 0, remote_ranks)
             if self.backend == "triton":
-                launches = self._tuned(remote, remote_block_size, launches)
+                launches = self._tuned(remote, remote_block_size, remote_ranks, launches)
             for launch in launches:
                 plan, bundle = launch.plan, launch.bundle
                 scratch = torch.zeros(
@@ -324,18 +345,20 @@ class CachePostProcess:
                 for launch in launches:
                     self._capture(launch)
 
-    def variants(self, remote: FormatRef, remote_block_size: int) -> list[dict[str, object]]:
+    def variants(
+        self, remote: FormatRef, remote_block_size: int, remote_ranks: int = 1
+    ) -> list[dict[str, object]]:
         """On CUDA, per launch of a fully covered request from ``remote`` at nP: what warm-up
         measured and chose (``gpu.choices``: tile size, replays); empty elsewhere."""
         if self.backend != "triton":
             return []
         from kvd.kernels import gpu
 
-        key = (remote, remote_block_size, 0)
+        key = (remote, remote_block_size, 0, remote_ranks)
         return [gpu.choices(launch.plan) for launch in self._launches.get(key, [])]
 
     def _tuned(
-        self, remote: FormatRef, remote_block_size: int, launches: list[_Launch]
+        self, remote: FormatRef, remote_block_size: int, remote_ranks: int, launches: list[_Launch]
     ) -> list[_Launch]:
         """``launches`` prepared again where ``gpu.tune`` chose another tile than theirs."""
         from kvd.kernels import gpu
@@ -349,8 +372,8 @@ class CachePostProcess:
             for launch in launches
         ):
             return launches
-        del self._launches[(remote, remote_block_size, 0)]
-        return self._launches_for(remote, remote_block_size, 0)
+        del self._launches[(remote, remote_block_size, 0, remote_ranks)]
+        return self._launches_for(remote, remote_block_size, 0, remote_ranks)
 
     def _capture(self, launch: _Launch) -> None:
         """Capture ``launch`` for 1 to ``gpu.GRAPH_GROUPS`` groups, if a captured launch of one
@@ -387,9 +410,9 @@ class CachePostProcess:
             launch.replays[n] = gpu.Replay(prepared, where, lane, n)
 
     def _launches_for(
-        self, remote: FormatRef, remote_block_size: int, covered: int
+        self, remote: FormatRef, remote_block_size: int, covered: int, remote_ranks: int = 1
     ) -> list[_Launch]:
-        key = (remote, remote_block_size, covered)
+        key = (remote, remote_block_size, covered, remote_ranks)
         known = self._launches.get(key)
         if known is None:
             checked = resolve(remote, "remote_format")
@@ -402,6 +425,7 @@ class CachePostProcess:
                     remote_block_size,
                     covered=covered,
                     kv=bundle.kv,
+                    remote_ranks=remote_ranks,
                 )
                 if plan.is_identity:
                     continue

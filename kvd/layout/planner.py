@@ -8,6 +8,13 @@ chunk ``j`` of its bytes in the ``j``-th, which holds local tokens ``j * nD ..``
 landed bytes, read page after page, are the remote pages back to back, so a plan maps every byte
 of a group (its local pages end to end) to the landed byte it must receive.
 
+One exception, ``remote_ranks`` R > 1 with nP > nD: the group was read from R remote ranks, one
+READ each, and each rank's page (its heads, nP tokens) landed in ``k`` pieces, piece ``j`` of
+every rank side by side in the ``j``-th local page, rank by rank (what vLLM's reads from a
+prefill of R times the decode's TP leave). With heads outermost in the remote format, the R
+rank pages back to back are one remote page of every local head, so the plan is the usual one
+with each landed offset moved to where that byte of that rank's piece sits (``_interleaved``).
+
 A ``Plan`` is that map as runs of contiguous bytes, computed once per (formats, sizes, nP,
 covered) and memoised: planning cost never depends on how many blocks a request lists. It is
 built with numpy at the granularity of the largest piece contiguous on both sides (a head_dim
@@ -157,6 +164,7 @@ def plan(
     *,
     covered: int = 0,
     kv: KV = "k",
+    remote_ranks: int = 1,
 ) -> Plan:
     """The plan that rewrites one group of ``local`` pages landed in the ``remote`` format.
 
@@ -164,15 +172,18 @@ def plan(
     ``covered`` (only for nP < nD) is how many remote pages landed in the group, 0 meaning all:
     the plan then moves those and zeroes every local element of a token at or past
     ``covered * nP``, never reading the uncovered bytes. ``kv`` picks the K or V region of a
-    ``regions="kv"`` format (both sides the same region). Memoised; formats must be checked
-    (``formats.resolve``).
+    ``regions="kv"`` format (both sides the same region). ``remote_ranks`` (nP > nD only; 1
+    otherwise) is how many remote ranks' pages landed interleaved in the group (module
+    docstring). Memoised; formats must be checked (``formats.resolve``).
 
     Raises ``FormatError`` when the two formats do not hold the same elements (other regions,
-    parts or axes), ``ValueError`` for block sizes or ``covered`` that do not fit, ``PlanError``
-    when the plan would exceed ``MAX_PLAN_UNITS`` pieces.
+    parts or axes) or R ranks' pages are not one remote page, ``ValueError`` for block sizes or
+    ``covered`` that do not fit, ``PlanError`` when the plan would exceed ``MAX_PLAN_UNITS``
+    pieces.
     """
     covered = _covered(sizes, remote_block_size, covered)
-    return _plan(remote, local, sizes, remote_block_size, covered=covered, kv=kv)
+    ranks = _ranks(remote, sizes, remote_block_size, remote_ranks, kv)
+    return _plan(remote, local, sizes, remote_block_size, covered=covered, kv=kv, ranks=ranks)
 
 
 def needs_work(
@@ -183,17 +194,20 @@ def needs_work(
     *,
     covered: int = 0,
     kv: KV = "k",
+    remote_ranks: int = 1,
 ) -> bool:
     """Whether ``plan(...)`` with the same arguments moves or zeroes anything.
 
     Structural and cheap (no plan is built): true when a partly covered group needs zeroes, or
-    when the formats differ once axes of size 1 are dropped, or when the block sizes differ and
-    the token axis is not outermost in the larger page (only then do smaller pages back to back
-    make it).
+    ranks' pages landed interleaved, or when the formats differ once axes of size 1 are
+    dropped, or when the block sizes differ and the token axis is not outermost in the larger
+    page (only then do smaller pages back to back make it). Raises as ``plan``.
     """
     if _covered(sizes, remote_block_size, covered):
         return True
     r_layout, l_layout = _check_pair(remote, local, kv)
+    if _ranks(remote, sizes, remote_block_size, remote_ranks, kv) > 1:
+        return True
     nD, nP = sizes.block_size, remote_block_size
     if _normalized(r_layout, sizes, min(nP, nD)) != _normalized(l_layout, sizes, min(nP, nD)):
         return True
@@ -211,6 +225,30 @@ def _covered(sizes: PageSizes, remote_block_size: int, covered: int) -> int:
     if covered < 0 or covered > remote_pages:
         raise ValueError(f"covered must be in [0, {remote_pages}], got {covered}")
     return 0 if covered == remote_pages else covered
+
+
+def _ranks(
+    remote: PageFormat, sizes: PageSizes, remote_block_size: int, remote_ranks: int, kv: KV
+) -> int:
+    """``remote_ranks`` normalised: 1 when nothing landed interleaved (one rank, or nP <= nD,
+    where each rank's page lands whole); else checked to make one remote page of the ranks'."""
+    if remote_ranks < 1:
+        raise ValueError(f"remote_ranks must be >= 1, got {remote_ranks}")
+    if remote_ranks == 1 or remote_block_size <= sizes.block_size:
+        return 1
+    outer, orders = _normalized(page_layout(remote, kv), sizes, remote_block_size)
+    first = (outer or orders[0])[:1]
+    if first != ("H",):
+        raise FormatError(
+            f"remote_ranks: {remote_ranks} ranks' pages make one page only with heads outermost "
+            f"in the remote format, which has {(outer or orders[0])[0]} outermost"
+        )
+    if sizes.num_heads % remote_ranks:
+        raise FormatError(
+            f"remote_ranks: {remote_ranks} ranks do not share the page's {sizes.num_heads} "
+            "heads evenly"
+        )
+    return remote_ranks
 
 
 def _check_pair(remote: PageFormat, local: PageFormat, kv: KV) -> tuple[PageLayout, PageLayout]:
@@ -256,11 +294,16 @@ def _plan(
     *,
     covered: int,
     kv: KV,
+    ranks: int = 1,
 ) -> Plan:
     r_layout, l_layout = _check_pair(remote, local, kv)
     pages, _ = group_shape(sizes.block_size, remote_block_size)
     dst, src, length = _pieces(r_layout, l_layout, sizes, remote_block_size, covered)
     page = page_bytes(local, sizes)
+    if ranks > 1:
+        dst, src, length = _interleaved(
+            (dst, src, length), ranks=ranks, chunks=pages, page=page // sizes.itemsize
+        )
     runs = _merge(dst * sizes.itemsize, src * sizes.itemsize, length * sizes.itemsize, page)
     return Plan(_frozen(runs), pages, page)
 
@@ -344,6 +387,35 @@ def _pieces(
     dst, src, length = np.concatenate(dsts), np.concatenate(srcs), np.concatenate(lengths)
     order = np.argsort(dst, kind="stable")
     return dst[order], src[order], length[order]
+
+
+def _interleaved(
+    pieces: tuple[Runs, Runs, Runs], *, ranks: int, chunks: int, page: int
+) -> tuple[Runs, Runs, Runs]:
+    """``_pieces`` (dst, src, length) of a group whose ``ranks`` rank pages landed interleaved:
+    each landed offset (in elements, of the ranks' pages back to back) moved to chunk ``j`` of
+    its rank's page in local page ``j`` of ``chunks``, at the rank's slot (``page / ranks``
+    elements each). Pieces are first cut so that none crosses a slot's end."""
+    dst, src, length = pieces
+    slot = page // ranks
+    starts = src[src >= 0]
+    cut = math.gcd(slot, int(np.gcd.reduce(length)), int(np.gcd.reduce(starts)))
+    if cut < int(length.max()):
+        count = length // cut
+        total = int(count.sum())
+        if total > MAX_PLAN_UNITS:
+            raise PlanError(
+                f"one group of {ranks} ranks' interleaved pages is {total} pieces of {cut} "
+                f"elements, more than MAX_PLAN_UNITS ({MAX_PLAN_UNITS})"
+            )
+        step = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+        dst = np.repeat(dst, count) + step * cut
+        src = np.repeat(src, count)
+        src = np.where(src < 0, -1, src + step * cut)
+        length = np.full(dst.shape, cut, dtype=np.int64)
+    rank, within = np.divmod(src, chunks * slot)
+    chunk, offset = np.divmod(within, slot)
+    return dst, np.where(src < 0, -1, chunk * page + rank * slot + offset), length
 
 
 def _merge(dst: Runs, src: Runs, length: Runs, page: int) -> Runs:

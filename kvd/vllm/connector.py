@@ -247,6 +247,9 @@ class KvdWorker(NixlPullConnectorWorker):
         """Engine id -> (page format, block size) of each prefill engine, from its handshake."""
         self._splits: dict[str, int] = {}
         """Engine id -> k, for prefill engines whose blocks are k times this engine's."""
+        self._ranks: dict[str, int] = {}
+        """Engine id -> the prefill ranks this rank reads each page from, for such engines at a
+        TP size above this engine's: their pieces land interleaved (``ReadDone.remote_ranks``)."""
         self._split_reads: dict[str, list[list[int]] | str] = {}
         """The local blocks read for each request from such an engine, per KV cache group, k per
         remote block; or why none could be read (the request is then recomputed)."""
@@ -449,10 +452,7 @@ class KvdWorker(NixlPullConnectorWorker):
         except SplitError as exc:
             raise KvdConnectorError(f"prefill engine {engine_id!r}: {exc}") from exc
         refused = split_unsupported(
-            split,
-            local_tp=int(self.transfer_topo.tp_size),
-            remote_tp=remote_tp_size,
-            state_groups=any(group.kind == "state" for group in self._groups),
+            split, state_groups=any(group.kind == "state" for group in self._groups)
         )
         if refused:
             raise KvdConnectorError(
@@ -472,8 +472,30 @@ class KvdWorker(NixlPullConnectorWorker):
         except BaseException:
             self._splits.pop(engine_id, None)
             raise
+        if split > 1 and remote_tp_size > int(self.transfer_topo.tp_size):
+            sources = self._attention_sources(engine_id)
+            if sources > 1:
+                self._ranks[engine_id] = sources
         self._remotes[engine_id] = (fmt, block_size)
         return result
+
+    def _attention_sources(self, engine_id: str) -> int:
+        """How many prefill ranks vLLM reads each attention page from (its TP mapping: one per
+        distinct KV head among this rank's share of the prefill's ranks)."""
+        mapping = getattr(self, "tp_mappings", {}).get(engine_id)
+        kinds = [group.kind for group in self._groups]
+        if mapping is None or len(mapping.source_ranks_per_group) != len(kinds):
+            raise KvdConnectorError(
+                f"prefill engine {engine_id!r}: this vLLM keeps no TP mapping kvd can read "
+                "(tp_mappings), which says whose pieces land in each page"
+            )
+        return len(
+            next(
+                ranks
+                for ranks, kind in zip(mapping.source_ranks_per_group, kinds, strict=True)
+                if kind != "state"
+            )
+        )
 
     def _build_fa_remote(
         self, plan: Any, nixl_agent_meta: Any, block_size_ratio: int
@@ -776,6 +798,7 @@ class KvdWorker(NixlPullConnectorWorker):
             covered_sub_blocks=covered,
             remote_engine_id=engine_id,
             groups=groups,
+            remote_ranks=self._ranks.get(engine_id, 0),
         )
 
     def _send(self, held: Held, link: KvdLink) -> bool:
@@ -969,6 +992,7 @@ def _read_done(cache_id: str, held: Held) -> bytes:
         remote_engine_id=held.remote_engine_id,
         groups=held.groups,
         cuda_event=held.cuda_event,
+        remote_ranks=held.remote_ranks,
     )
 
 

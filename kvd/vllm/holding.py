@@ -30,6 +30,9 @@ class Held:
     ``block_ids``; empty for one group."""
     cuda_event: bytes = b""
     """The hand-off marker its ReadDone carries (on CUDA; ``kvd.cudaipc.HandOffMarkers``)."""
+    remote_ranks: int = 0
+    """Prefill ranks whose pieces landed interleaved in each group (``ReadDone.remote_ranks``;
+    0: one rank's pages)."""
     sent_at: float = field(default_factory=time.monotonic)
 
 

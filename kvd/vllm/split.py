@@ -76,23 +76,18 @@ def split_remote_pages(meta: Any, local_block_size: int) -> int:
     return k
 
 
-def split_unsupported(k: int, *, local_tp: int, remote_tp: int, state_groups: bool) -> str | None:
+def split_unsupported(k: int, *, state_groups: bool) -> str | None:
     """Why a prefill engine whose pages split into k = nP / nD sub-pages cannot be read so;
     None when it can (or k is 1).
 
-    At a decode TP above the prefill's, this rank reads a byte range of each remote page (its
-    heads), cut into k pieces (``slice_sub_pages``). At a prefill TP above the decode's, vLLM
-    posts one READ per prefill rank, each writing its slot of every local page; whole groups
-    would need each rank to fill only some of a group's pages, which vLLM's per-rank
-    descriptor lists cannot say, so it is refused. A state group's regions are whole states,
-    not pages of tokens."""
+    Any TP pair can: at a decode TP above the prefill's, this rank reads a byte range of each
+    remote page (its heads), cut into k pieces (``slice_sub_pages``); at a prefill TP above
+    the decode's, vLLM posts one READ per prefill rank, each writing its slot of every local
+    page, so piece j of each rank's page lands in the j-th local page of a group, which the
+    ReadDone says (``remote_ranks``). A state group's regions are whole states, not pages of
+    tokens."""
     if k <= 1:
         return None
-    if remote_tp > local_tp:
-        return (
-            f"a prefill at TP {remote_tp} with blocks {k} times this engine's (TP {local_tp}): "
-            "larger prefill blocks are read only from a prefill at this TP size or below"
-        )
     if state_groups:
         return "state (Mamba) groups' regions cannot be read as sub-pages"
     return None
