@@ -12,7 +12,15 @@ from kvd.daemon.ledger import Ledger
 from kvd.daemon.registry import AttachedCache, Owner, Registry
 from kvd.daemon.routes import ROUTES_PER_CACHE, Rejection, Route
 from kvd.daemon.validate import validate_read_done
-from kvd.protocol import GROUPS_VERSION, Attach, BlockGroup, Layout, ReadDone, Reason
+from kvd.protocol import (
+    GROUPS_VERSION,
+    RANKS_VERSION,
+    Attach,
+    BlockGroup,
+    Layout,
+    ReadDone,
+    Reason,
+)
 from kvd.shm import ShmCache
 
 CPU = torch.device("cpu")
@@ -148,3 +156,33 @@ def test_groups_split_the_block_ids_and_each_fits_on_its_own(
         ledger,
     )
     assert isinstance(three, Rejection) and three.code == Reason.UNSUPPORTED_VERSION
+
+
+def test_interleaved_ranks_are_a_route_of_their_own_and_need_one_page_of_their_pages(
+    attached: tuple[Registry, AttachedCache],
+) -> None:
+    """``remote_ranks`` (v 3): with nP > nD a route of its own, whose rewrites read each rank's
+    pieces; refused, naming the field, where the ranks' pages are not one remote page."""
+    registry, _ = attached
+    ledger = Ledger()
+
+    def ranked(req_id: str, layout: Layout, ranks: int, **kw: object) -> ReadDone:
+        return ReadDone(
+            req_id=req_id, cache_id="c", remote_layout=layout, physical_block_ids=[0, 1],
+            remote_block_size=32, remote_ranks=ranks, v=RANKS_VERSION, **kw,
+        )  # fmt: skip
+
+    plain = validate_read_done(read_done("a", [0, 1], remote_block_size=32), registry, ledger)
+    two = validate_read_done(ranked("b", "HND", 2), registry, ledger)
+    assert isinstance(plain, Route) and isinstance(two, Route) and two is not plain
+    assert (plain.remote_ranks, two.remote_ranks) == (1, 2)
+    assert [r.remote_ranks for r in two.rewrites] == [2] * len(two.rewrites)
+    grouped = ranked("c", "HND", 2, groups=[BlockGroup(num_blocks=2)])
+    assert validate_read_done(grouped, registry, ledger) is two
+    for msg, why in [
+        (ranked("d", "NHD", 2), "heads outermost"),
+        (ranked("e", "HND", 4), "4 ranks do not share the page's 2 heads evenly"),
+    ]:
+        verdict = validate_read_done(msg, registry, ledger)
+        assert isinstance(verdict, Rejection) and verdict.code == Reason.INVALID_LAYOUT
+        assert verdict.message.startswith("remote_ranks: ") and why in verdict.message
