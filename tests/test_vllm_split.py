@@ -7,13 +7,13 @@ from typing import Literal
 
 import pytest
 
+from kvd.vllm.groups import GroupKind
 from kvd.vllm.split import (
     SplitError,
     SplitRead,
     plan_hybrid_split_read,
     plan_split_read,
     split_remote_pages,
-    split_unsupported,
 )
 
 
@@ -158,9 +158,13 @@ def test_a_hybrid_model_without_a_full_attention_group_is_not_read() -> None:
     assert isinstance(plans, str) and "no full-attention group" in plans
 
 
-def test_larger_prefill_blocks_are_read_only_where_proven() -> None:
-    assert split_unsupported(1, state_groups=True) is None
-    # At any TP pair (slice_sub_pages; ReadDone.remote_ranks).
-    assert split_unsupported(2, state_groups=False) is None
-    why = split_unsupported(4, state_groups=True)
-    assert why is not None and "state (Mamba)" in why
+def test_a_state_group_is_read_one_to_one_beside_whole_attention_groups() -> None:
+    """A Mamba hybrid: the attention group in whole groups of k, the state group's blocks as
+    vLLM lists them (one state each, never split); a request whose attention group cannot be
+    read whole is recomputed, state and all."""
+    kinds: list[GroupKind] = ["state", "full"]
+    full_local, full_remote = list(range(10, 14)), [i * 2 + j for i in (5, 8) for j in (0, 1)]
+    plans = plan_hybrid_split_read(kinds, [[3], full_local], [[7], full_remote], 2, [0, 0])
+    assert plans == [SplitRead([3], [7], []), SplitRead(full_local, full_remote, [])]
+    partial = plan_hybrid_split_read(kinds, [[3], full_local], [[7], full_remote[:3]], 2, [0, 0])
+    assert isinstance(partial, str) and "group 1: 2 local blocks hold part of a remote" in partial

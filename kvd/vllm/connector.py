@@ -105,7 +105,6 @@ from kvd.vllm.split import (
     plan_split_read,
     slice_sub_pages,
     split_remote_pages,
-    split_unsupported,
 )
 from kvd.vllm.stats import HandoffStats
 from kvd.vllm.tp import as_equal_blocks, lifts, split_sub_blocks
@@ -451,14 +450,6 @@ class KvdWorker(NixlPullConnectorWorker):
             split = split_remote_pages(nixl_agent_meta, self.block_size)
         except SplitError as exc:
             raise KvdConnectorError(f"prefill engine {engine_id!r}: {exc}") from exc
-        refused = split_unsupported(
-            split, state_groups=any(group.kind == "state" for group in self._groups)
-        )
-        if refused:
-            raise KvdConnectorError(
-                f"prefill engine {engine_id!r}: blocks of {block_size} tokens into blocks of "
-                f"{self.block_size} are not supported here: {refused}"
-            )
         if split > 1 and self.kv_transfer_config.kv_load_failure_policy != "recompute":
             raise KvdConnectorError(
                 f"prefill engine {engine_id!r}: blocks of {block_size} tokens into blocks of "
@@ -752,9 +743,15 @@ class KvdWorker(NixlPullConnectorWorker):
         covered_range = None
         groups: tuple[tuple[int, int], ...] = ()
         if split_read is not None:
-            local, covered = [b for ids in split_read for b in ids], 0
-            if len(split_read) > 1:
-                groups = tuple((len(ids), 0) for ids in split_read)
+            # A state group's blocks are whole states, read 1:1: nothing for kvd to rewrite.
+            rewritten = [
+                ids
+                for g, ids in enumerate(split_read)
+                if g >= len(self._groups) or self._groups[g].kind != "state"
+            ]
+            local, covered = [b for ids in rewritten for b in ids], 0
+            if len(rewritten) > 1:
+                groups = tuple((len(ids), 0) for ids in rewritten)
         elif len(self._groups) > 1:
             ratio = max(1, self.block_size // remote_block_size)
             ranges = getattr(meta, "covered_sub_blocks", None) or ()

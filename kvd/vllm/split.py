@@ -16,7 +16,14 @@ When a request's last remote block holds fewer than k local blocks' tokens, ther
 land the rest of its page, so those local blocks are not read: vLLM is told they failed to load
 (invalid block ids) and recomputes their tokens, fewer than nP, from the prompt.
 
-A hybrid model (several KV cache groups) is read group by group (``plan_hybrid_split_read``).
+Any TP pair reads so: a decode rank at a TP size above the prefill's reads its heads' byte
+range of each remote page in k pieces (``slice_sub_pages``); at a prefill TP above the decode's
+vLLM posts one READ per prefill rank, each writing its slot of every local page, so piece j of
+each rank's page lands in the j-th local page of a group, which the ReadDone says
+(``remote_ranks``).
+
+A hybrid model (several KV cache groups) is read group by group (``plan_hybrid_split_read``);
+a state (Mamba) group's blocks, whole states, are read 1:1 as vLLM lists them.
 vLLM's scheduler takes no invalid block ids from a model with several groups, so a request
 whose groups cannot all be read whole is recomputed instead, whole: one whose last remote block
 holds fewer than k local blocks' tokens, and one whose sliding-window tail starts inside a
@@ -74,23 +81,6 @@ def split_remote_pages(meta: Any, local_block_size: int) -> int:
         meta.region_num_blocks = [n * k for n in meta.region_num_blocks]
     meta.physical_blocks_per_logical_kv_block = meta.physical_blocks_per_logical_kv_block * k
     return k
-
-
-def split_unsupported(k: int, *, state_groups: bool) -> str | None:
-    """Why a prefill engine whose pages split into k = nP / nD sub-pages cannot be read so;
-    None when it can (or k is 1).
-
-    Any TP pair can: at a decode TP above the prefill's, this rank reads a byte range of each
-    remote page (its heads), cut into k pieces (``slice_sub_pages``); at a prefill TP above
-    the decode's, vLLM posts one READ per prefill rank, each writing its slot of every local
-    page, so piece j of each rank's page lands in the j-th local page of a group, which the
-    ReadDone says (``remote_ranks``). A state group's regions are whole states, not pages of
-    tokens."""
-    if k <= 1:
-        return None
-    if state_groups:
-        return "state (Mamba) groups' regions cannot be read as sub-pages"
-    return None
 
 
 def slice_sub_pages(descs: npt.NDArray[np.uint64], meta: Any, k: int) -> npt.NDArray[np.uint64]:
@@ -175,7 +165,10 @@ def plan_hybrid_split_read(
     window); ``local_computed``: each group's blocks of a local prefix cache hit.
 
     A full-attention group holds every block of the sequence on both sides, so it places the
-    sliding-window tails: each ends where the full group's lists end.
+    sliding-window tails: each ends where the full group's lists end. A state (Mamba) group's
+    blocks are read as vLLM lists them, one state per block: its descriptors and block ids
+    stay at the prefill's logical geometry, which the split metadata keeps (block count
+    divided by blocks per logical block, stride multiplied by it).
     """
     full = next((g for g, kind in enumerate(kinds) if kind == "full"), None)
     if full is None:
@@ -197,8 +190,9 @@ def plan_hybrid_split_read(
         tail, remote_tail = local[g], remote_sub_blocks[g]
         if kind == "full":
             continue
-        if kind == "state":
-            return f"group {g}: a state (Mamba) group's blocks cannot be read as sub-pages"
+        if kind == "state":  # whole states, 1:1 at the logical geometry vLLM keeps for them
+            plans[g] = SplitRead(list(tail), list(remote_tail), [])
+            continue
         if not tail:
             plans[g] = SplitRead([], [], [])
             continue
