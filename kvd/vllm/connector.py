@@ -460,13 +460,14 @@ class KvdWorker(NixlPullConnectorWorker):
             self._splits[engine_id] = split
         try:
             result: str = super().add_remote_agent(nixl_agent_meta, *args, **kwargs)
+            sources = 1
+            if split > 1 and remote_tp_size > int(self.transfer_topo.tp_size):
+                sources = self._attention_sources(engine_id)  # known once vLLM mapped it
         except BaseException:
             self._splits.pop(engine_id, None)
             raise
-        if split > 1 and remote_tp_size > int(self.transfer_topo.tp_size):
-            sources = self._attention_sources(engine_id)
-            if sources > 1:
-                self._ranks[engine_id] = sources
+        if sources > 1:
+            self._ranks[engine_id] = sources
         self._remotes[engine_id] = (fmt, block_size)
         return result
 
