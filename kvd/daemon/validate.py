@@ -216,8 +216,9 @@ def route(cache: AttachedCache, msg: ReadDone) -> Route | Rejection:
         )
     except ValueError as exc:
         return Rejection(Reason.INVALID_RATIO, str(exc))
+    remote_ranks = max(msg.remote_ranks, 1)  # 0: not given, one rank
     try:
-        rewrites = cache.rewrites(remote, remote_block_size, max(msg.remote_ranks, 1))
+        rewrites = cache.rewrites(remote, remote_block_size, remote_ranks)
         moves_bytes = any(r.needs_work(0, 0) for r in rewrites)
     except FormatError as exc:
         code = Reason.INVALID_FORMAT if msg.remote_format is not None else Reason.INVALID_LAYOUT
@@ -230,7 +231,7 @@ def route(cache: AttachedCache, msg: ReadDone) -> Route | Rejection:
         remote_pages,
         rewrites,
         moves_bytes,
-        max(msg.remote_ranks, 1),
+        remote_ranks,
     )
 
 

@@ -319,7 +319,7 @@ class CachePostProcess:
             known = self._zeroes[bundle] = _Launch(bundle, plan)
         return known
 
-    def warm_up(self, remote: FormatRef, remote_block_size: int, remote_ranks: int = 1) -> None:
+    def warm_up(self, remote: FormatRef, remote_block_size: int) -> None:
         """Compile the kernels a request in ``remote`` at nP would launch, on scratch pages
         (never the cache's): CUDA's first launch of a kernel shape pays its compilation.
 
@@ -329,9 +329,9 @@ class CachePostProcess:
         takes seconds, so it belongs to the attach worker. Otherwise asynchronous, like
         ``apply``."""
         with self._launching():
-            launches = self._launches_for(remote, remote_block_size, 0, remote_ranks)
+            launches = self._launches_for(remote, remote_block_size, 0)
             if self.backend == "triton":
-                launches = self._tuned(remote, remote_block_size, remote_ranks, launches)
+                launches = self._tuned(remote, remote_block_size, launches)
             for launch in launches:
                 plan, bundle = launch.plan, launch.bundle
                 scratch = torch.zeros(
@@ -345,20 +345,18 @@ class CachePostProcess:
                 for launch in launches:
                     self._capture(launch)
 
-    def variants(
-        self, remote: FormatRef, remote_block_size: int, remote_ranks: int = 1
-    ) -> list[dict[str, object]]:
+    def variants(self, remote: FormatRef, remote_block_size: int) -> list[dict[str, object]]:
         """On CUDA, per launch of a fully covered request from ``remote`` at nP: what warm-up
         measured and chose (``gpu.choices``: tile size, replays); empty elsewhere."""
         if self.backend != "triton":
             return []
         from kvd.kernels import gpu
 
-        key = (remote, remote_block_size, 0, remote_ranks)
+        key = (remote, remote_block_size, 0, 1)
         return [gpu.choices(launch.plan) for launch in self._launches.get(key, [])]
 
     def _tuned(
-        self, remote: FormatRef, remote_block_size: int, remote_ranks: int, launches: list[_Launch]
+        self, remote: FormatRef, remote_block_size: int, launches: list[_Launch]
     ) -> list[_Launch]:
         """``launches`` prepared again where ``gpu.tune`` chose another tile than theirs."""
         from kvd.kernels import gpu
@@ -372,8 +370,8 @@ class CachePostProcess:
             for launch in launches
         ):
             return launches
-        del self._launches[(remote, remote_block_size, 0, remote_ranks)]
-        return self._launches_for(remote, remote_block_size, 0, remote_ranks)
+        del self._launches[(remote, remote_block_size, 0, 1)]
+        return self._launches_for(remote, remote_block_size, 0)
 
     def _capture(self, launch: _Launch) -> None:
         """Capture ``launch`` for 1 to ``gpu.GRAPH_GROUPS`` groups, if a captured launch of one

@@ -237,11 +237,11 @@ def _ranks(
     if remote_ranks == 1 or remote_block_size <= sizes.block_size:
         return 1
     outer, orders = _normalized(page_layout(remote, kv), sizes, remote_block_size)
-    first = (outer or orders[0])[:1]
-    if first != ("H",):
+    outermost = (outer or orders[0])[0]
+    if outermost != "H":
         raise FormatError(
             f"remote_ranks: {remote_ranks} ranks' pages make one page only with heads outermost "
-            f"in the remote format, which has {(outer or orders[0])[0]} outermost"
+            f"in the remote format, which has {outermost} outermost"
         )
     if sizes.num_heads % remote_ranks:
         raise FormatError(

@@ -747,8 +747,8 @@ class KvdWorker(NixlPullConnectorWorker):
             # A state group's blocks are whole states, read 1:1: nothing for kvd to rewrite.
             rewritten = [
                 ids
-                for g, ids in enumerate(split_read)
-                if g >= len(self._groups) or self._groups[g].kind != "state"
+                for ids, group in zip(split_read, self._groups, strict=True)
+                if group.kind != "state"
             ]
             local, covered = [b for ids in rewritten for b in ids], 0
             if len(rewritten) > 1:
