@@ -75,12 +75,28 @@ def test_kvd_splits_larger_prefill_blocks_of_a_hybrid_model(
     they decode the single instance's tokens from the transferred KV. An 80-token prompt's last
     remote block holds 16 tokens, half a local pair: vLLM takes no failed blocks from a model
     of several groups, so that request is recomputed whole, and still decodes its tokens."""
-    lengths = (40, 100, 300, 80)
+    assert_splits_with_one_recomputed(
+        hybrid, kvd, ("64", 32), lengths=(40, 100, 300, 80), baseline_from="32"
+    )
+
+
+def assert_splits_with_one_recomputed(
+    setup: Setup,
+    kvd: DaemonProcess,
+    pair: tuple[str, int],
+    *,
+    lengths: tuple[int, ...],
+    baseline_from: str,
+) -> None:
+    """A kvd decode at ``pair`` (prefill instance, decode block size) of prompts of ``lengths``
+    tokens and the control: tokens equal to the single instance's (from the ``baseline_from``
+    instance), kvd split blocks and failed none, and exactly one request recomputed whole."""
     request = {"op": "baseline", "prompts": prompts(lengths), "max_tokens": MAX_TOKENS}
-    baseline = hybrid.prefills["32"].call(request)
+    baseline = setup.prefills[baseline_from].call(request)
     before = counters(kvd)
-    result = hybrid.decode(
-        "64", 32, extra={"kvd_runtime_dir": str(kvd.runtime_dir)}, prompt_lengths=lengths
+    prefill, block_size = pair
+    result = setup.decode(
+        prefill, block_size, extra={"kvd_runtime_dir": str(kvd.runtime_dir)}, prompt_lengths=lengths
     )
     log = Path(result["log_file"]).read_text()
     expected = [*baseline, baseline[1]]  # the last request: the control, from prompt 1's KV

@@ -18,10 +18,10 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm is not installed (pip install -e '.[vllm]')")
 
-from kvd.bench.vllm_engine import make_mamba_model, prompts
+from kvd.bench.vllm_engine import make_mamba_model
 from kvd.daemon_process import DaemonProcess
-from tests.vllm.test_hybrid import SPLIT_RECOMPUTED
-from tests.vllm.test_pd import MAX_TOKENS, Setup, counters, stock_prefills
+from tests.vllm.test_hybrid import assert_splits_with_one_recomputed
+from tests.vllm.test_pd import Setup, counters, stock_prefills
 
 CONV_LAYOUT = "VLLM_SSM_CONV_STATE_LAYOUT"
 
@@ -65,23 +65,9 @@ def test_kvd_splits_a_mamba_hybrid_s_larger_prefill_blocks(
     tokens from the transferred KV and state. A 300-token prompt's last remote block holds 44
     tokens, part of one local block: vLLM takes no failed blocks from a model of several
     groups, so that request is recomputed whole, and still decodes its tokens."""
-    lengths = (100, 200, 90, 300)
-    request = {"op": "baseline", "prompts": prompts(lengths), "max_tokens": MAX_TOKENS}
-    baseline = mamba.prefills["128"].call(request)
-    before = counters(kvd)
-    result = mamba.decode(
-        "128", 64, extra={"kvd_runtime_dir": str(kvd.runtime_dir)}, prompt_lengths=lengths
+    assert_splits_with_one_recomputed(
+        mamba, kvd, ("128", 64), lengths=(100, 200, 90, 300), baseline_from="128"
     )
-    log = Path(result["log_file"]).read_text()
-    expected = [*baseline, baseline[1]]  # the last request: the control, from prompt 1's KV
-    assert [r["token_ids"] for r in result["decode"]] == [r["token_ids"] for r in expected], result[
-        "log"
-    ]
-    after = counters(kvd)
-    assert after["ready"] - before["ready"] >= 4, "kvd did not answer the decode's requests"
-    assert after["blocks_processed"] > before["blocks_processed"], "kvd split no block"
-    assert after["failed"] == before["failed"]
-    assert len(SPLIT_RECOMPUTED.findall(log)) == 1, result["log"]
 
 
 def test_stock_vllm_on_the_mamba_hybrid(mamba: Setup) -> None:
