@@ -202,6 +202,14 @@ class TensorSpec(msgspec.Struct, omit_defaults=True, gc=False, kw_only=True):
     ...]`` with regions) and ``num_heads``, ``head_dim`` (and ``num_layers`` for a cross-layer
     format) give the sizes of the logical axes. Without it, ``layout`` and ``kv_arrangement``
     name the format and the sizes are read from ``shape`` (see ``KVArrangement``).
+
+    ``group``: the KV cache group whose pages the tensor views, numbered from 0 with none
+    skipped. One group (all 0) is the usual cache. A hybrid model whose groups hold different
+    tokens per page (other head sizes, the pages the same size) attaches each group's views
+    apart: every tensor of a group has the group's block size, and tensors of different groups
+    may view the same bytes, block for block (the same first byte, bytes and num_blocks, no
+    regions): one block pool, where a block id names one group's page at a time. A ReadDone
+    to such a cache lists one ``groups`` entry per group, in group order.
     """
 
     name: str
@@ -215,6 +223,7 @@ class TensorSpec(msgspec.Struct, omit_defaults=True, gc=False, kw_only=True):
     num_heads: NonNegative = 0
     head_dim: NonNegative = 0
     num_layers: NonNegative = 0
+    group: NonNegative = 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,7 +231,8 @@ class TensorSpec(msgspec.Struct, omit_defaults=True, gc=False, kw_only=True):
 
 
 class Attach(_Message, tag="attach"):
-    """Make a KV cache known to kvd. Every tensor must have the same num_blocks and block_size.
+    """Make a KV cache known to kvd. Every tensor must have the same num_blocks, and those of
+    one ``group`` the same block_size (``TensorSpec.group``).
 
     ``engine_id`` names the engine that owns the cache: it, or the connection that attached,
     may detach it. An Attach of an attached ``cache_id`` with the same non-empty ``engine_id``
@@ -431,7 +441,10 @@ class ReadDone(_Message, tag="read_done", kw_only=True):
     ``groups``, when given (with ``v`` = ``GROUPS_VERSION``), splits ``physical_block_ids`` into
     the request's KV cache groups, in order, each with its own coverage; the top-level
     ``covered_sub_blocks`` is then 0. The request is one notification: one outcome for every
-    group, a Ready only when every group is rewritten.
+    group, a Ready only when every group is rewritten. To a cache attached in several groups
+    (``TensorSpec.group``) it lists one entry per group, and entry ``i``'s blocks are rewritten
+    in group ``i``'s tensors only; the block sizes above are group 0's, and each other group's
+    remote blocks are in the same proportion to its own.
 
     ``cuda_event`` (a kvd on CUDA only) is the 64-byte ``cudaIpcEventHandle_t`` of an event the
     engine recorded on its compute stream when it handed the blocks over: kvd's stream waits on

@@ -22,7 +22,7 @@ import zmq
 
 from kvd.client import AsyncClient, Client, KvdError, ShmCache, Subscription
 from kvd.daemon_process import DaemonProcess
-from kvd.protocol import CudaIpcRef, Failed, Ready, ShmRef
+from kvd.protocol import CudaIpcRef, Failed, Ready, ShmRef, TensorSpec
 from kvd.subscription import ReplayError
 from tests.daemon_helpers import by_req, collect, wait_for
 from tests.reference import expected_block, random_bytes, same_bytes
@@ -784,6 +784,136 @@ def test_a_replay_that_timed_out_is_tried_again_at_the_next_poll(
     finally:
         sub.close()
         ctx.term()
+
+
+def group_views(cache: ShmCache, block_size: int, head_dim: int) -> tuple[torch.Tensor, TensorSpec]:
+    """A second group's view of ``cache``'s one tensor (blocks first, NHD, 2 heads): its pages
+    the same bytes, holding ``block_size`` tokens of ``head_dim``."""
+    spec = cache.specs[0]
+    shape = [spec.shape[0], 2, block_size, spec.shape[3], head_dim]
+    view = cache.tensors[0].view(shape)
+    return view, msgspec.structs.replace(
+        spec, name="group.1", shape=shape, block_size=block_size, group=1
+    )
+
+
+def test_groups_of_their_own_block_sizes_rewrite_each_block_in_its_group_alone(
+    client: Client,
+) -> None:
+    """A hybrid model whose groups hold different tokens per page (a sliding-window layer of
+    head_dim 4 in blocks of 8, a full layer of head_dim 8 in blocks of 4) attaches both views
+    of one memory (``TensorSpec.group``). A ReadDone's first group's blocks are rewritten as
+    blocks of 8 tokens, its second's as blocks of 4, each as a one-group cache of that shape
+    rewrites them; no other block changes."""
+    shape = {"num_layers": 1, "num_blocks": 8, "num_heads": 2, "kv_arrangement": "blocks_first"}
+    hybrid = ShmCache.create(block_size=8, head_dim=4, **shape)  # type: ignore[arg-type]
+    twins = [
+        ShmCache.create(block_size=8, head_dim=4, **shape),  # type: ignore[arg-type]
+        ShmCache.create(block_size=4, head_dim=8, **shape),  # type: ignore[arg-type]
+    ]
+    try:
+        _, second = group_views(hybrid, 4, 8)
+        before = fill(hybrid, 21)[0]
+        for twin in twins:
+            twin.tensors[0].view(-1).copy_(before.view(-1))
+        ids = {"hybrid": unique("groups"), "twin0": unique("twin"), "twin1": unique("twin")}
+        client.attach(ids["hybrid"], [*hybrid.specs, second])
+        client.attach(ids["twin0"], twins[0].specs)
+        client.attach(ids["twin1"], twins[1].specs)
+        sub = client.subscribe(list(ids.values()))
+        common = {"remote_layout": "HND", "block_size_ratio": 2}
+        client.read_done("r", ids["hybrid"], [6, 1, 3, 5], groups=[(2, 4), (2, 3)], **common)
+        client.read_done("g0", ids["twin0"], [6, 1], covered_sub_blocks=4, **common)
+        client.read_done("g1", ids["twin1"], [3, 5], covered_sub_blocks=3, **common)
+        events = by_req(collect(sub, 3))
+        assert all(isinstance(e, Ready) for e in events.values()), events
+        now = hybrid.tensors[0]
+        for block in range(8):
+            want = twins[0] if block in (6, 1) else twins[1] if block in (3, 5) else None
+            expected = before[block] if want is None else want.tensors[0][block]
+            assert same_bytes(now[block].flatten(), expected.flatten()), f"block {block}"
+        for block in (6, 1, 3, 5):
+            assert not same_bytes(now[block], before[block]), f"block {block} was not rewritten"
+        for cache_id in ids.values():
+            client.detach(cache_id)
+        sub.close()
+    finally:
+        for cache in (hybrid, *twins):
+            cache.close()
+
+
+def test_group_views_that_could_rewrite_a_byte_twice_are_refused(client: Client) -> None:
+    """Views of one memory are taken only as different groups' views of the same blocks; a
+    ReadDone to a cache of several groups lists each, and every group's remote block size must
+    be whole."""
+    cache = ShmCache.create(
+        num_layers=2,
+        num_blocks=8,
+        block_size=8,
+        num_heads=2,
+        head_dim=4,
+        kv_arrangement="blocks_first",
+    )
+    try:
+        _, second = group_views(cache, 4, 8)
+        first = cache.specs[0]
+        refused = {
+            "same group": ([first, msgspec.structs.replace(second, group=0)], "block_size"),
+            "a group skipped": ([first, msgspec.structs.replace(second, group=2)], "group 1"),
+            "part of the blocks": (
+                [
+                    first,
+                    msgspec.structs.replace(
+                        second,
+                        shape=[4, *second.shape[1:]],
+                        memory=ShmRef(name=cache.name, offset=512),
+                    ),
+                ],
+                "num_blocks",
+            ),
+            "a group of two sizes": (
+                [
+                    first,
+                    second,
+                    msgspec.structs.replace(
+                        second, name="group.1b", block_size=8, shape=[8, 2, 8, 2, 4]
+                    ),
+                ],
+                "group 1",
+            ),
+        }
+        for case, (specs, says) in refused.items():
+            with pytest.raises(KvdError, match=says) as err:
+                client.attach(unique("views"), specs)
+            assert err.value.code == "invalid_cache", case
+        # One block apart: block n of the second view is block n + 1 of the first.
+        shifted = msgspec.structs.replace(second, memory=ShmRef(name=cache.name, offset=256))
+        again = msgspec.structs.replace(first, name="again")  # the same group twice
+        for specs in ([first, shifted], [first, again]):
+            with pytest.raises(KvdError, match="overlap"):
+                client.attach(unique("views"), specs)
+        cache_id = unique("views")
+        client.attach(cache_id, [first, second])
+        sub = client.subscribe([cache_id])
+        client.read_done("one", cache_id, [1, 2], block_size_ratio=2, remote_layout="HND")
+        client.read_done(
+            "odd",
+            cache_id,
+            [1, 2],
+            groups=[(1, 0), (1, 0)],
+            remote_block_size=1,
+            remote_layout="HND",
+        )
+        events = by_req(collect(sub, 2))
+        assert all(isinstance(e, Failed) for e in events.values()), events
+        assert events["one"].code == "invalid_message", events
+        assert "lists each of them" in events["one"].message
+        assert events["odd"].code == "invalid_ratio", events
+        assert "group 1" in events["odd"].message
+        client.detach(cache_id)
+        sub.close()
+    finally:
+        cache.close()
 
 
 def test_a_hybrid_request_rewrites_each_group_with_its_own_coverage(client: Client) -> None:

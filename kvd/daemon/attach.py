@@ -16,7 +16,7 @@ from kvd.dtypes import torch_dtype
 from kvd.kernels.device import lane_for
 from kvd.kernels.postprocess import CachePostProcess, region_views
 from kvd.layout.formats import FormatError, has_heads, legacy_remote_format
-from kvd.layout.geometry import GeometryError, cache_geometry
+from kvd.layout.geometry import GeometryError, cache_geometry, group_block_sizes
 from kvd.protocol import Attach, PageFormat, Reason
 from kvd.shm import populate
 
@@ -50,15 +50,17 @@ def open_cache(request: Attach, device_name: str, owner: Owner) -> AttachedCache
     for t in tensors:
         if t.tensor.device.type == "cpu":
             populate(t.tensor)
+    block_sizes = group_block_sizes(request.tensors, geometries)
     cache = AttachedCache(
         cache_id=request.cache_id,
         tensors=tensors,
         num_blocks=geometries[0].num_blocks,
-        block_size=geometries[0].block_size,
+        block_size=block_sizes[0],
         device=device,
         owner=owner,
         segments=segments,
         postprocesses=_postprocesses(tensors, device),
+        group_block_sizes=block_sizes,
     )
     if device.type == "cuda":
         warm_up(cache)
@@ -83,23 +85,23 @@ def warm_up(cache: AttachedCache) -> None:
     """
     lane = lane_for(cache.device)
     lane.api.set_device(cache.device)
-    for local, postprocess in cache.postprocesses.items():
+    for (_, local), postprocess in cache.postprocesses.items():
         if not has_heads(local):
             continue
         for ratio in (1, 2):
-            if cache.block_size % ratio == 0:
+            if postprocess.block_size % ratio == 0:
                 remote = legacy_remote_format(local, "HND")
-                postprocess.warm_up(remote, cache.block_size // ratio)
+                postprocess.warm_up(remote, postprocess.block_size // ratio)
     lane.synchronize()
 
 
 def _postprocesses(
     tensors: list[AttachedTensor], device: torch.device
-) -> dict[PageFormat, CachePostProcess]:
-    """One post-process per local page format, over every region of its tensors."""
-    by_format: dict[PageFormat, list[AttachedTensor]] = {}
+) -> dict[tuple[int, PageFormat], CachePostProcess]:
+    """One post-process per group and local page format, over every region of its tensors."""
+    by_format: dict[tuple[int, PageFormat], list[AttachedTensor]] = {}
     for t in tensors:
-        by_format.setdefault(t.geometry.format, []).append(t)
+        by_format.setdefault((t.spec.group, t.geometry.format), []).append(t)
     return {
         fmt: CachePostProcess(
             [view for t in group for view in region_views(t.tensor, t.geometry)], device

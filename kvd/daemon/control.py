@@ -213,12 +213,12 @@ class Control:
             self._opening.discard(cache_id)
         self.leases.attached(cache_id, owner.engine_id, with_process=request.release_with_process)
         log.info(
-            "attached cache %r%s: %d tensors, %d blocks of %d tokens, %.1f MiB",
+            "attached cache %r%s: %d tensors, %d blocks of %s tokens, %.1f MiB",
             cache_id,
             f" of engine {owner.engine_id!r}" if owner.engine_id else "",
             len(cache.tensors),
             cache.num_blocks,
-            cache.block_size,
+            "/".join(map(str, cache.group_block_sizes)),
             cache.nbytes / 2**20,
         )
         self._send(

@@ -48,7 +48,8 @@ class WorkItem(msgspec.Struct, eq=False, gc=False):
     batch: Batch
     rewrites: list[Rewrite]
     requests: list[tuple[list[int], int]]
-    """(block ids, covered_sub_blocks) of each request of the batch, in batch order."""
+    """(block ids, covered_sub_blocks) of each request of the batch, in batch order, and of
+    each of its groups."""
     nbytes: int
     """Bytes the rewrite may touch: listed blocks times the bytes of one block id."""
     error: str | None = None
@@ -63,6 +64,9 @@ class WorkItem(msgspec.Struct, eq=False, gc=False):
     """With ``ready_events``: the IPC handle of the event recorded behind the launches."""
     announced: bool = False
     """Set by the pipeline once the item's Ready went out, before its work completed."""
+    groups: list[list[tuple[list[int], int]]] = []
+    """For a cache attached in several groups: ``requests`` of each group (a group's passes
+    rewrite those alone)."""
     markers: list[bytes] = []
     """The engines' markers (``ReadDone.cuda_event``) kvd's stream waits on before the
     item's first write (CUDA only: validation refuses them elsewhere)."""
@@ -80,7 +84,7 @@ def run_item(item: WorkItem) -> None:
     """
     for n, rewrite in enumerate(item.rewrites):
         try:
-            rewrite.apply(item.requests)
+            rewrite.apply(item.requests if rewrite.group < 0 else item.groups[rewrite.group])
         except DeviceFailed:
             raise  # not this item's failure: the executor's
         except MemoryFault as exc:

@@ -362,6 +362,8 @@ class Pipeline:
             )
             requests = [part for r in batch.requests for part in r.parts()]
             item = WorkItem(batch, rewrites, requests, batch.num_blocks * cache.work_bytes)
+            if cache.num_groups > 1:  # validation: one part per group, in group order
+                item.groups = [requests[g :: cache.num_groups] for g in range(cache.num_groups)]
             item.markers = [r.cuda_event for r in batch.requests if r.cuda_event]
             items.append(item)
             metrics.batch_blocks.observe(batch.num_blocks)

@@ -54,8 +54,10 @@ class AttachedCache:
     owner: Owner
     segments: list[tuple[SharedSegment, int]] = field(default_factory=list)
     """Each shared-memory segment and the end of the bytes the cache uses in it."""
-    postprocesses: dict[PageFormat, CachePostProcess] = field(default_factory=dict)
-    """The post-process of the cache's tensors, one per local page format."""
+    postprocesses: dict[tuple[int, PageFormat], CachePostProcess] = field(default_factory=dict)
+    """The post-process of the cache's tensors, one per (group, local page format)."""
+    group_block_sizes: list[int] = field(default_factory=list)
+    """The block size of each group (``TensorSpec.group``); ``block_size`` is group 0's."""
     lost: str | None = None
     """Why the cache's memory can no longer be touched (set once; requests then fail)."""
     detaching: str | None = None
@@ -64,31 +66,62 @@ class AttachedCache:
     """Each remote side seen, decided once (``validate.route``); at most ``ROUTES_PER_CACHE``."""
     _rewrites: dict[tuple[RemoteFormat, int, int], list[Rewrite]] = field(default_factory=dict)
     work_bytes: int = field(init=False)
-    """Bytes one block id stands for across every region of the cache (read at each launch)."""
+    """Bytes one block id stands for across every region of its group, the largest group's
+    (read at each launch)."""
 
     def __post_init__(self) -> None:
-        self.work_bytes = sum(p.block_bytes for p in self.postprocesses.values())
+        if not self.group_block_sizes:
+            self.group_block_sizes = [self.block_size]
+        per_group = [0] * len(self.group_block_sizes)
+        for (group, _), postprocess in self.postprocesses.items():
+            per_group[group] += postprocess.block_bytes
+        self.work_bytes = max(per_group)
+
+    @property
+    def num_groups(self) -> int:
+        """Groups attached apart (``TensorSpec.group``); 1 for the usual cache."""
+        return len(self.group_block_sizes)
 
     def rewrites(
         self, remote: RemoteFormat, remote_block_size: int, remote_ranks: int = 1
     ) -> list[Rewrite]:
-        """The kernel passes of a batch from ``remote`` at ``remote_block_size`` tokens, landed
-        from ``remote_ranks`` ranks (``ReadDone.remote_ranks``).
+        """The kernel passes of a batch from ``remote`` at ``remote_block_size`` tokens (group
+        0's; ``group_remote_block_size``), landed from ``remote_ranks`` ranks
+        (``ReadDone.remote_ranks``).
 
         Cheap and memoised (plans are built by the executor, on first use): safe on the loop.
-        Raises ``FormatError`` when the remote format cannot land in a local one.
+        Raises ``FormatError`` when the remote format cannot land in a local one, ``ValueError``
+        when a group's remote block size is not whole (``validate.route`` checks it first).
         """
         key = (remote, remote_block_size, remote_ranks)
         known = self._rewrites.get(key)
         if known is None:
+            grouped = self.num_groups > 1
             known = [
-                Rewrite(postprocess, _remote_for(local, remote), remote_block_size, remote_ranks)
-                for local, postprocess in self.postprocesses.items()
+                Rewrite(
+                    postprocess,
+                    _remote_for(local, remote),
+                    self.group_remote_block_size(group, remote_block_size),
+                    remote_ranks,
+                    group if grouped else -1,
+                )
+                for (group, local), postprocess in self.postprocesses.items()
             ]
             for rewrite in known:  # the format pair is checked now, not on the executor
                 rewrite.needs_work(0, 0)
             remember(self._rewrites, key, known)
         return known
+
+    def group_remote_block_size(self, group: int, remote_block_size: int) -> int:
+        """Group ``group``'s remote block size, in proportion to group 0's."""
+        scaled, rest = divmod(remote_block_size * self.group_block_sizes[group], self.block_size)
+        if rest:
+            raise ValueError(
+                f"remote_block_size: {remote_block_size} tokens to group 0's {self.block_size} "
+                f"leaves group {group} (blocks of {self.group_block_sizes[group]}) no whole "
+                "remote block size"
+            )
+        return scaled
 
     def memory_problem(self) -> str | None:
         """Why the cache's memory cannot be touched now (a segment shrank, or has holes), or
@@ -105,7 +138,25 @@ class AttachedCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.geometry.nbytes for t in self.tensors)
+        """Bytes of the cache's memory, each counted once (groups may view the same bytes)."""
+        spans = {t.span: t.geometry.nbytes for t in self.tensors}
+        return sum(spans.values())
+
+
+def _group_views(
+    a: tuple[Span, int, str, AttachedTensor], b: tuple[Span, int, str, AttachedTensor]
+) -> bool:
+    """Whether spans ``a`` and ``b`` are two groups' views of the same blocks of one cache:
+    tensors of different groups over the same bytes, blocks outermost (block ``n`` of each is
+    the same bytes: a cache's num_blocks agree)."""
+    first, second = a[3], b[3]
+    return (
+        a[2] == b[2]
+        and a[0] == b[0]
+        and first.spec.group != second.spec.group
+        and first.geometry.num_regions == 1
+        and second.geometry.num_regions == 1
+    )
 
 
 def _remote_for(local: PageFormat, remote: RemoteFormat) -> PageFormat:
@@ -148,27 +199,30 @@ class Registry:
 
         O(n log n) in the tensors attached, this one's included: spans sorted by backing and
         start, each checked against the one before it that reaches furthest. Attached caches
-        never overlap each other, so any overlap found involves ``cache``.
+        never overlap each other, so any overlap found involves ``cache``. Two of its tensors
+        of different groups may view the same bytes block for block (``TensorSpec.group``): a
+        block id names one group's page at a time, so no byte is rewritten twice.
         """
-        # (span, tensor index in this Attach or -1, owner, name)
+        # (span, tensor index in this Attach or -1, owner, tensor)
         spans = [
-            (t.span, -1, other.cache_id, t.spec.name)
+            (t.span, -1, other.cache_id, t)
             for other in self._caches.values()
             for t in other.tensors
         ]
-        spans += [(t.span, i, cache.cache_id, t.spec.name) for i, t in enumerate(cache.tensors)]
+        spans += [(t.span, i, cache.cache_id, t) for i, t in enumerate(cache.tensors)]
         spans.sort(key=lambda s: (s[0].backing, s[0].start))
         furthest = spans[0] if spans else None
         for entry in spans[1:]:
             assert furthest is not None
-            if entry[0].overlaps(furthest[0]):
+            if entry[0].overlaps(furthest[0]) and not _group_views(entry, furthest):
                 ours, theirs = sorted((entry, furthest), key=lambda s: s[1], reverse=True)
                 span, i, _, _ = ours
-                other, _, owner, name = theirs
+                other, _, owner, tensor = theirs
                 where = "another tensor of this Attach" if theirs[1] >= 0 else f"cache {owner!r}"
                 return (
-                    f"tensors[{i}].memory: bytes {span.start}..{span.end} overlap {name!r} of "
-                    f"{where} (bytes {other.start}..{other.end}); kvd would rewrite them twice"
+                    f"tensors[{i}].memory: bytes {span.start}..{span.end} overlap "
+                    f"{tensor.spec.name!r} of {where} (bytes {other.start}..{other.end}); kvd "
+                    "would rewrite them twice"
                 )
             if entry[0].backing != furthest[0].backing or entry[0].end > furthest[0].end:
                 furthest = entry

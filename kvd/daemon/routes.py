@@ -39,12 +39,14 @@ remote_block_size, remote_ranks)."""
 @dataclass(frozen=True, eq=False)
 class Rewrite:
     """One kernel pass of a batch: the cache's tensors of one local page format, rewritten from
-    the remote format (resolved for them) at the remote block size."""
+    the remote format (resolved for them) at the remote block size; of one group's
+    (``group``), or of every group's when the cache is attached as one (-1)."""
 
     postprocess: CachePostProcess
     remote: PageFormat
     remote_block_size: int
     remote_ranks: int = 1
+    group: int = -1
 
     def needs_work(self, covered: int, num_ids: int) -> bool:
         return self.postprocess.needs_work(

@@ -126,6 +126,12 @@ def validate_read_done(msg: ReadDone, registry: Registry, ledger: Ledger) -> Ver
         return Rejection(Reason.CACHE_DETACHED, cache.detaching)
     if cache.lost is not None:
         return Rejection(Reason.MEMORY_UNAVAILABLE, cache.lost)
+    if cache.num_groups > 1 and len(msg.groups) != cache.num_groups:
+        return Rejection(
+            Reason.INVALID_MESSAGE,
+            f"groups: cache {msg.cache_id!r} is attached in {cache.num_groups} groups of their "
+            f"own block sizes; a ReadDone lists each of them (it lists {len(msg.groups)})",
+        )
     if msg.cuda_event:
         problem = _marker_problem(msg.cuda_event, cache)
         if problem is not None:
@@ -214,6 +220,11 @@ def route(cache: AttachedCache, msg: ReadDone) -> Route | Rejection:
         remote_block_size = resolve_remote_block_size(
             cache.block_size, msg.block_size_ratio, msg.remote_block_size
         )
+    except ValueError as exc:
+        return Rejection(Reason.INVALID_RATIO, str(exc))
+    try:
+        for group in range(1, cache.num_groups):
+            cache.group_remote_block_size(group, remote_block_size)
     except ValueError as exc:
         return Rejection(Reason.INVALID_RATIO, str(exc))
     remote_ranks = max(msg.remote_ranks, 1)  # 0: not given, one rank

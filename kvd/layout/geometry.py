@@ -259,7 +259,8 @@ def _itemsize(dtype: DTypeName, where: str) -> int:
 
 
 def cache_geometry(specs: Sequence[TensorSpec]) -> list[TensorGeometry]:
-    """Check every tensor of one cache; all must agree on num_blocks and block_size."""
+    """Check every tensor of one cache: all agree on num_blocks, those of one group on the
+    block size, and the groups are numbered from 0 with none skipped."""
     if not specs:
         raise GeometryError("tensors: a cache needs at least one tensor")
     names = [s.name for s in specs]
@@ -268,18 +269,34 @@ def cache_geometry(specs: Sequence[TensorSpec]) -> list[TensorGeometry]:
         raise GeometryError(f"tensors: names must be unique, repeated: {dup}")
     geometries = [tensor_geometry(s, f"tensors[{i}]") for i, s in enumerate(specs)]
     first = geometries[0]
-    for i, g in enumerate(geometries[1:], start=1):
+    block_sizes: dict[int, tuple[int, int]] = {}  # group -> (block size, first tensor)
+    for i, (spec, g) in enumerate(zip(specs, geometries, strict=True)):
         if g.num_blocks != first.num_blocks:
             raise GeometryError(
                 f"tensors[{i}].shape: num_blocks {g.num_blocks} differs from tensors[0] "
                 f"({first.num_blocks}); block ids index every tensor of a cache"
             )
-        if g.block_size != first.block_size:
+        known = block_sizes.setdefault(spec.group, (g.block_size, i))
+        if g.block_size != known[0]:
             raise GeometryError(
-                f"tensors[{i}].block_size: {g.block_size} differs from tensors[0] "
-                f"({first.block_size})"
+                f"tensors[{i}].block_size: {g.block_size} differs from tensors[{known[1]}] "
+                f"({known[0]}) of the same group {spec.group}"
             )
+    missing = sorted(set(range(max(block_sizes) + 1)) - set(block_sizes))
+    if missing:
+        raise GeometryError(
+            f"tensors: groups are numbered from 0 with none skipped; no tensor has group "
+            f"{', '.join(map(str, missing))}"
+        )
     return geometries
+
+
+def group_block_sizes(
+    specs: Sequence[TensorSpec], geometries: Sequence[TensorGeometry]
+) -> list[int]:
+    """The block size of each group of a checked cache (``cache_geometry``), in group order."""
+    sizes = dict(zip((s.group for s in specs), (g.block_size for g in geometries), strict=True))
+    return [sizes[group] for group in range(len(sizes))]
 
 
 def resolve_remote_block_size(
