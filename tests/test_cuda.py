@@ -748,6 +748,7 @@ def test_kvd_vllm_hands_off_behind_one_marker_per_step_and_frees_it_when_answere
     worker.cache_id, worker.block_size = "vllm.e.0", 16
     worker._remotes, worker._ranks = {"prefill": ("HND", 16)}, {}
     worker._groups = [Group("full", 16, ("layer.0",))]  # one KV cache group
+    worker._first_block_size = 0
     worker._holding, worker._unsent, worker._split_reads = Holding(), [], {}
     worker._markers, worker._step_marker = cudaipc.HandOffMarkers(), b""
     worker._landed_early, worker._fail_when_answered, worker._answered_early = set(), set(), {}

@@ -15,6 +15,7 @@ import torch
 from kvd.vllm.groups import (
     Group,
     GroupError,
+    attached_apart,
     distinct_regions,
     request_groups,
     state_layers,
@@ -40,8 +41,14 @@ def test_attention_and_state_groups_are_taken_and_other_kinds_refused_by_name() 
     found = transfer_groups(config(window, full), 32)
     assert [g.kind for g in found] == ["sliding_window", "full"]
     assert found[0].layers == ("layer.0",)
+    assert not attached_apart(found)
     with pytest.raises(GroupError, match=r"KV cache group 1 \(FullAttentionSpec: layer.1\): "):
         transfer_groups(config(window, spec.FullAttentionSpec(block_size=64, **common)), 32)
+    # Groups of block sizes of their own (a window layer of half the head size): attached apart.
+    wide = spec.SlidingWindowSpec(block_size=64, sliding_window=32, **{**common, "head_size": 32})
+    apart = transfer_groups(config(wide, full), 64)
+    assert [(g.block_size, g.head_size) for g in apart] == [(64, 32), (32, 64)]
+    assert attached_apart(apart)
     # A state group's blocks are states, not tokens: any block size, never attached.
     mamba = spec.MambaSpec(
         block_size=1024, shapes=((4, 8),), dtypes=(torch.float32,), mamba_cache_mode="none"
@@ -86,9 +93,29 @@ def test_windows_paired_from_different_first_tokens_are_recomputed() -> None:
     on), the prefill's remote blocks 8, 9 (tokens 256 on): vLLM lands 8 in block 3."""
     why = request_groups([WINDOW, FULL], [[3, 4], list(range(5))], [2, 10], 2)
     assert isinstance(why, str) and why.startswith("group 0 (sliding window): vLLM paired")
+    # 32 -> 32 where the prefill kept one window block more: vLLM reads its last one only.
+    assert request_groups([WINDOW, FULL], [[4], list(range(5))], [2, 5], 1) == [
+        ([4], 1),
+        (list(range(5)), 5),
+    ]
     # Without a full-attention group nothing says where the window starts: only 1:1 pairs.
     assert request_groups([WINDOW], [[3, 4]], [2], 1) == [([3, 4], 2)]
     assert isinstance(request_groups([WINDOW], [[3]], [2], 2), str)
+
+
+def test_windows_of_block_sizes_of_their_own_start_where_the_full_group_says() -> None:
+    """Window blocks of 128 tokens beside full ones of 64 (64 and 32 on the prefill, 32 -> 64).
+    A 100-token prompt: one local window block (tokens 0 on), two remote ones (0 on): aligned.
+    A 300-token prompt: local block 2 (tokens 256 on), remote blocks 3, 4 (192 on): apart.
+    Window blocks smaller than the full group's leave the window's start open: recomputed."""
+    window = Group("sliding_window", 128, ("l0",))
+    full = Group("full", 64, ("l1",))
+    assert request_groups([window, full], [[7], [8, 9]], [2, 4], 2) == [([7], 2), ([8, 9], 4)]
+    why = request_groups([window, full], [[7], [8, 9, 10, 11, 12]], [2, 10], 2)
+    assert isinstance(why, str) and "from different first tokens" in why
+    narrow = Group("sliding_window", 32, ("l0",))
+    why = request_groups([narrow, full], [[7], [8, 9]], [1, 2], 1)
+    assert isinstance(why, str) and "from different first tokens" in why
 
 
 def test_regions_are_keyed_by_address_and_geometry() -> None:

@@ -102,6 +102,7 @@ def decode_worker(connector: Any, agent: Any, link: StepLink) -> Any:
     worker.cache_id, worker.block_size = "vllm.decode.0", BLOCK_SIZE
     worker._remotes, worker._ranks = {"prefill": ("cpu_attn_vec", BLOCK_SIZE)}, {}
     worker._groups = [Group("full", BLOCK_SIZE, ("layer.0",))]
+    worker._first_block_size = 0  # one group attached
     worker._holding, worker._unsent, worker._split_reads, worker._metas = Holding(), [], {}, {}
     worker._markers, worker._step_marker = None, b""
     worker._landed_early, worker._fail_when_answered, worker._answered_early = set(), set(), {}

@@ -73,6 +73,7 @@ from kvd.vllm.formats import (
 )
 from kvd.vllm.groups import (
     GroupError,
+    attached_apart,
     distinct_regions,
     request_groups,
     state_layers,
@@ -231,6 +232,13 @@ class KvdWorker(NixlPullConnectorWorker):
             self._groups = transfer_groups(kv_cache_config, self.block_size)
         except GroupError as exc:
             raise KvdConnectorError(str(exc)) from None
+        self._first_block_size = (
+            next(group.block_size for group in self._groups if group.kind != "state")
+            if attached_apart(self._groups)
+            else 0
+        )
+        """Where kvd attaches the groups apart: group 0's block size, which a ReadDone's block
+        sizes are in (``ReadDone.groups``); else 0 (one group, this worker's block size)."""
         self.cache_id = _CACHE_ID.sub("-", f"vllm.{engine_id}.{self.tp_rank}")[:CACHE_ID_MAX]
         self._timeout_s = float(extra.get("kvd_timeout_s", 2.0))
         self.kvd = Client(self.kvd_dir, timeout=self._timeout_s)
@@ -360,12 +368,19 @@ class KvdWorker(NixlPullConnectorWorker):
                 raise KvdConnectorError(str(exc)) from exc
             model_dtype = self.model_config.dtype
             assert isinstance(model_dtype, torch.dtype)  # resolved when the engine started
-            self._isa = get_attn_isa(
-                model_dtype,
-                self.block_size,
-                self.model_config.get_head_size(),
-                cache_dtype,
-            )
+            # Each attention group's pages, with the group's block and head sizes.
+            sizes = {
+                (group.block_size, group.head_size or self.model_config.get_head_size())
+                for group in self._groups
+                if group.kind != "state"
+            }
+            isas = {get_attn_isa(model_dtype, n, size, cache_dtype) for n, size in sizes}
+            if len(isas) > 1:
+                raise KvdConnectorError(
+                    f"this model's KV cache groups' pages are of CPU attention kernels "
+                    f"{sorted(isas)}: kvd takes groups of one kind of page"
+                )
+            self._isa = isas.pop()
         try:
             return page_format(
                 backend.get_name(),
@@ -380,7 +395,33 @@ class KvdWorker(NixlPullConnectorWorker):
             ) from exc
 
     def _tensor_specs(self, kv_caches: dict[str, torch.Tensor]) -> list[TensorSpec]:
-        """One spec per distinct region (layers that share a cache share its bytes)."""
+        """One spec per distinct region (layers that share a cache share its bytes); of each
+        attention group apart where their block sizes differ (``attached_apart``)."""
+        if attached_apart(self._groups):
+            attention = [group for group in self._groups if group.kind != "state"]
+            parts = [
+                (i, {name: kv_caches[name] for name in group.layers if name in kv_caches})
+                for i, group in enumerate(attention)
+            ]
+        else:
+            parts = [(0, kv_caches)]
+        specs = []
+        for group, caches in parts:
+            specs += self._group_specs(caches, group)
+        if attached_apart(self._groups):
+            # A ReadDone's block sizes are the groups' own: views of kernel blocks of another
+            # size would be rewritten at the wrong one.
+            sizes = [g.block_size for g in self._groups if g.kind != "state"]
+            for spec in specs:
+                if spec.block_size != sizes[spec.group]:
+                    raise KvdConnectorError(
+                        f"{spec.name}: its view holds blocks of {spec.block_size} tokens, its "
+                        f"KV cache group's are {sizes[spec.group]}: kvd takes groups of block "
+                        "sizes of their own only where the kernels' blocks are the groups'"
+                    )
+        return specs
+
+    def _group_specs(self, kv_caches: dict[str, torch.Tensor], group: int) -> list[TensorSpec]:
         specs = []
         try:
             regions = distinct_regions(kv_caches)
@@ -403,6 +444,7 @@ class KvdWorker(NixlPullConnectorWorker):
                     page_format=self._local_format,
                     num_heads=heads,
                     head_dim=content if mla else content // 2,
+                    group=group,
                 )
             )
         return specs
@@ -456,6 +498,8 @@ class KvdWorker(NixlPullConnectorWorker):
                 f"{self.block_size} need kv_load_failure_policy='recompute' (a request's last "
                 "local blocks are recomputed when its last remote block does not fill them all)"
             )
+        if self._first_block_size:
+            self._check_apart(engine_id, block_size, split, remote_tp_size)
         if split > 1:  # before vLLM builds the remote descriptors (``_build_fa_remote``)
             self._splits[engine_id] = split
         try:
@@ -470,6 +514,27 @@ class KvdWorker(NixlPullConnectorWorker):
             self._ranks[engine_id] = sources
         self._remotes[engine_id] = (fmt, block_size)
         return result
+
+    def _check_apart(self, engine_id: str, block_size: int, split: int, remote_tp: int) -> None:
+        """Refuse a prefill engine kvd cannot yet read into groups of block sizes of their own:
+        larger blocks than this engine's, another TP size (neither proven here), or a block
+        size that leaves group 0's remote blocks no whole size."""
+        why = ""
+        if split > 1:
+            why = (
+                f"blocks of {block_size} tokens in its largest group, larger than this "
+                f"engine's {self.block_size}"
+            )
+        elif remote_tp != int(self.transfer_topo.tp_size):
+            why = f"TP size {remote_tp}, this engine's is {self.transfer_topo.tp_size}"
+        elif (block_size * self._first_block_size) % self.block_size:
+            why = f"blocks of {block_size} tokens leave group 0 no whole remote block size"
+        if why:
+            raise KvdConnectorError(
+                f"prefill engine {engine_id!r}: {why}; kvd reads a model whose KV cache groups "
+                "have block sizes of their own only from a prefill of the same TP size with "
+                "blocks no larger than this engine's"
+            )
 
     def _attention_sources(self, engine_id: str) -> int:
         """How many prefill ranks vLLM reads each attention page from (its TP mapping: one per
@@ -788,6 +853,8 @@ class KvdWorker(NixlPullConnectorWorker):
                 f"its READ paired {len(local)} local blocks (ratio {ratio}) with the last of "
                 f"{len(meta.remote.block_ids[0])} remote blocks, off their places"
             )
+        if self._first_block_size:  # the ReadDone's block sizes are group 0's
+            remote_block_size = remote_block_size * self._first_block_size // self.block_size
         return Held(
             req_id=req_id,
             block_ids=[int(b) for b in local],

@@ -6,12 +6,18 @@ size, from the same tensors: a block id names one group's page in every tensor. 
 READ fills each group's blocks apart, so each group has its own coverage, and kvd is told
 every group of a request in one ReadDone (``groups``): one outcome for the request.
 
-vLLM 0.32 clips a sliding-window group to its in-window tail on each side and pairs the two
-lists from their first blocks, so the prefill's pages land in the right local blocks only when
-both tails start at the same token. At 32 -> 64 with a 32-token window they do (one local block
+vLLM 0.32 clips a sliding-window group to its in-window tail on each side, keeps the prefill's
+last blocks where it lists more than the local blocks hold, and pairs the two lists from their
+first blocks, so the prefill's pages land in the right local blocks only when both tails start
+at the same token. At 32 -> 64 with a 32-token window they do (one local block
 of 64 tokens, two remote blocks of 32: ``tests/vllm/test_hybrid.py``); kvd checks it for every
 request from the full-attention group's lengths, and a request whose tails start apart is
 recomputed: no rewrite of pages moves bytes between blocks.
+
+Groups whose layers' pages hold different tokens (other head sizes: a Gemma 4 sliding layer of
+head_dim 256, a full one of 512) get block sizes of their own from vLLM, the pages the same
+size, and each tensor is one layer of every group: kvd attaches each group's views apart
+(``TensorSpec.group``) and is told each group's blocks.
 
 State groups (Mamba, whose blocks each hold one running state, not tokens) move 1:1 at any
 block-size ratio, into decode pages laid out as the prefill's (vLLM reads only the state's
@@ -42,12 +48,15 @@ class Group:
     kind: GroupKind
     block_size: int
     layers: tuple[str, ...]
+    head_size: int = 0
+    """An attention group's head size (0: a state group's, or not known)."""
 
 
 def transfer_groups(kv_cache_config: Any, block_size: int) -> list[Group]:
     """The groups of ``kv_cache_config`` (vLLM's ``KVCacheConfig``) whose blocks NIXL moves,
-    checked: attention groups, full or sliding-window, all with the worker's block size, and
-    state (Mamba) groups, whose blocks are not tokens."""
+    checked: attention groups, full or sliding-window, with block sizes that divide the
+    worker's ``block_size`` (their least common multiple), and state (Mamba) groups, whose
+    blocks are not tokens."""
     groups = getattr(kv_cache_config, "transfer_groups", None)
     if groups is None:
         groups = kv_cache_config.kv_cache_groups
@@ -70,18 +79,24 @@ def transfer_groups(kv_cache_config: Any, block_size: int) -> list[Group]:
                 f"{shown}: kvd.vllm takes full-attention, sliding-window and state (Mamba) "
                 "groups; this kind's pages are not proven here"
             )
-        if spec.block_size != block_size:
+        if block_size % spec.block_size:
             raise GroupError(
-                f"{shown}: blocks of {spec.block_size} tokens, the worker's are {block_size} "
-                "(groups of differing block sizes are not supported yet)"
+                f"{shown}: blocks of {spec.block_size} tokens do not divide the worker's "
+                f"{block_size}"
             )
-        found.append(Group(kind, spec.block_size, layers))
+        found.append(Group(kind, spec.block_size, layers, int(spec.head_size)))
     if all(group.kind == "state" for group in found):
         raise GroupError(
             "this model's KV cache groups are all state (Mamba) groups, which move as they are: "
             "kvd has nothing to post-process (use vLLM's NixlConnector)"
         )
     return found
+
+
+def attached_apart(groups: Sequence[Group]) -> bool:
+    """Whether kvd attaches each attention group's views of the cache apart: their block sizes
+    differ (``TensorSpec.group``; the ReadDone then lists every attention group)."""
+    return len({group.block_size for group in groups if group.kind != "state"}) > 1
 
 
 def state_layers(groups: Sequence[Group]) -> frozenset[str]:
@@ -104,7 +119,11 @@ def request_groups(
     ``remote_counts``: how many remote blocks each group read; ``ratio``: nD / nP (>= 1);
     ``ranges``: vLLM 0.34's covered ranges per group, where it records them.
     """
-    full = next((g for g, group in enumerate(groups) if group.kind == "full"), None)
+    full = next((group for group in groups if group.kind == "full"), None)
+    full_counts = next(
+        ((len(local[g]), remote_counts[g]) for g, group in enumerate(groups) if group is full),
+        (0, 0),
+    )
     parts: list[tuple[list[int], int]] = []
     for g, group in enumerate(groups):
         if group.kind == "state":
@@ -113,13 +132,10 @@ def request_groups(
         if not blocks:
             parts.append((blocks, 0))
             continue
+        # vLLM reads the last len(blocks) * ratio remote blocks where there are more.
+        read = min(remote_counts[g], len(blocks) * ratio)
         if group.kind == "sliding_window" and not _window_aligned(
-            len(blocks),
-            remote_counts[g],
-            ratio,
-            full=full,
-            local=local,
-            remote_counts=remote_counts,
+            group, len(blocks), read, ratio, full=full, full_counts=full_counts
         ):
             return (
                 f"group {g} (sliding window): vLLM paired its last {len(blocks)} local blocks "
@@ -136,22 +152,40 @@ def request_groups(
 
 
 def _window_aligned(
+    window: Group,
     num_local: int,
     num_remote: int,
     ratio: int,
     *,
-    full: int | None,
-    local: Sequence[Sequence[int]],
-    remote_counts: Sequence[int],
+    full: Group | None,
+    full_counts: tuple[int, int],
 ) -> bool:
-    """Whether a sliding-window group's local and remote lists start at the same token, in
-    remote blocks: a full-attention group of the same request holds every block on both
-    sides, so the window's lists end where the full group's do."""
+    """Whether a sliding-window group's local and remote lists start at the same token. A
+    full-attention group of the same request holds every block on both sides: its block
+    counts bound the request's tokens, and the window's lists end where they end. Where the
+    window's blocks are smaller than the full group's those bounds may not fix its first
+    token: then it is taken as not aligned (the request is recomputed)."""
     if full is None:
         return ratio == 1 and num_local == num_remote
-    local_start = (len(local[full]) - num_local) * ratio
-    remote_start = remote_counts[full] - num_remote
-    return local_start == remote_start
+    starts = [
+        _window_start(window.block_size // scale, full.block_size // scale, count, listed)
+        for scale, count, listed in (
+            (1, full_counts[0], num_local),
+            (ratio, full_counts[1], num_remote),
+        )
+    ]
+    return starts[0] is not None and starts[0] == starts[1]
+
+
+def _window_start(window_size: int, full_size: int, full_blocks: int, listed: int) -> int | None:
+    """The first token of the last ``listed`` window blocks of a request that fills
+    ``full_blocks`` full-attention blocks; None where those do not fix it."""
+    first = (full_blocks - 1) * full_size + 1  # the fewest and the most tokens
+    last = full_blocks * full_size
+    blocks = {-(-tokens // window_size) for tokens in (first, last)}
+    if len(blocks) != 1:
+        return None
+    return (blocks.pop() - listed) * window_size
 
 
 def distinct_regions(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
