@@ -506,12 +506,12 @@ class Monkey(threading.Thread):
     def run(self) -> None:
         try:
             if self.plan.mode == "launched":
-                ready = self._wait_for_launch()
-            else:
-                ready = not self.stopping.wait(self.plan.delay_s)
-            if not ready:
+                if not self._kill_at_launch():
+                    return
+            elif self.stopping.wait(self.plan.delay_s):
                 return
-            self._kill(self.kvd)
+            else:
+                self._kill(self.kvd)
             if self.plan.startup_kill_s is not None:
                 starting = DaemonProcess(*KVD_ARGS, runtime_dir=self.kvd.runtime_dir)
                 starting.spawn()
@@ -525,8 +525,11 @@ class Monkey(threading.Thread):
         finally:
             self.finished_at = time.monotonic()
 
-    def _wait_for_launch(self) -> bool:
-        """Wait until the target request is seen ``launched`` (or past it); False if stopped."""
+    def _kill_at_launch(self) -> bool:
+        """Kill kvd as soon as the target request is seen ``launched`` (or past it: a kill all
+        the same); False if stopped first. The kill comes before anything else this thread
+        does (closing its client included): the rewrite it should land in lasts tens of
+        milliseconds."""
         while not self.target_sent.wait(0.05):
             if self.stopping.is_set():
                 return False
@@ -536,11 +539,10 @@ class Monkey(threading.Thread):
                     state = client.request_status(self.target, CACHE_ID).state
                 except KVD_DOWN:
                     continue
-                if state == "launched":
-                    self.tally.launched_kills += 1
+                if state in ("launched", "done", "ready", "failed"):
+                    self._kill(self.kvd)
+                    self.tally.launched_kills += state == "launched"
                     return True
-                if state in ("done", "ready", "failed"):
-                    return True  # missed: a kill all the same
                 time.sleep(0.0005)
         return False
 
@@ -581,6 +583,10 @@ def run_chaos(
     )
     monkey: Monkey | None = None
     started = time.monotonic()
+    # The monkey's kill must land inside a rewrite of tens of milliseconds: it waits for the
+    # GIL at most this long once kvd's answer is in (the default is 5 ms).
+    switch_interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.0005)
     try:
         content = Content(seed, BIG_BLOCKS)
         daemon.start(START_TIMEOUT_S)
@@ -601,6 +607,7 @@ def run_chaos(
             finally:
                 engine.close()
     finally:
+        sys.setswitchinterval(switch_interval)
         if monkey is not None:  # the cycle was cut short by an exception
             monkey.stopping.set()
             if monkey.ident is not None:
