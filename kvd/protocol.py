@@ -329,7 +329,8 @@ class RequestStatus(_Message, tag="request_status"):
 class CacheInfo(msgspec.Struct, omit_defaults=True, gc=False, kw_only=True):
     """``expires_in_s``: seconds until kvd detaches the cache because its engine is gone
     (None while the engine holds it); ``detaching``: being detached, its requests answered
-    first."""
+    first; ``group_block_sizes``: each group's block size, for a cache attached in several
+    groups (``TensorSpec.group``; ``block_size`` is group 0's)."""
 
     cache_id: str
     num_blocks: int
@@ -340,6 +341,7 @@ class CacheInfo(msgspec.Struct, omit_defaults=True, gc=False, kw_only=True):
     engine_id: str = ""
     expires_in_s: float | None = None
     detaching: bool = False
+    group_block_sizes: list[int] = []
 
 
 class DaemonStatus(_Message, tag="daemon_status"):

@@ -820,6 +820,9 @@ def test_groups_of_their_own_block_sizes_rewrite_each_block_in_its_group_alone(
         client.attach(ids["hybrid"], [*hybrid.specs, second])
         client.attach(ids["twin0"], twins[0].specs)
         client.attach(ids["twin1"], twins[1].specs)
+        (info,) = [c for c in client.status().caches if c.cache_id == ids["hybrid"]]
+        assert info.block_size == 8 and info.group_block_sizes == [8, 4], info
+        assert info.nbytes == before.numel() * before.element_size(), "bytes counted twice"
         sub = client.subscribe(list(ids.values()))
         common = {"remote_layout": "HND", "block_size_ratio": 2}
         client.read_done("r", ids["hybrid"], [6, 1, 3, 5], groups=[(2, 4), (2, 3)], **common)

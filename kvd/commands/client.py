@@ -252,7 +252,7 @@ def format_status(reply: Any) -> str:
             c.cache_id,
             c.engine_id or "-",
             str(c.num_blocks),
-            str(c.block_size),
+            "/".join(map(str, c.group_block_sizes or [c.block_size])),
             str(c.num_tensors),
             f"{c.nbytes / 2**20:.1f}",
             str(c.in_flight),

@@ -467,6 +467,7 @@ class Control:
                     engine_id=c.owner.engine_id,
                     expires_in_s=self.leases.expires_in(c.cache_id, now),
                     detaching=c.detaching is not None,
+                    group_block_sizes=c.group_block_sizes if c.num_groups > 1 else [],
                 )
                 for c in self._registry.caches()
             ],
