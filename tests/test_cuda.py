@@ -104,6 +104,8 @@ def test_a_mapping_is_closed_off_the_thread_that_drops_it(fake_runtime) -> None:
 class NotingRewrite:
     """A kernel pass that notes which device and stream its thread has current."""
 
+    group = -1  # every group's blocks, as a cache attached as one
+
     def __init__(self, api: HostCuda) -> None:
         self.api = api
 
@@ -135,6 +137,8 @@ async def test_the_executor_threads_set_the_lanes_device() -> None:
 
 class FailingRewrite:
     """A kernel pass whose launch raises, as a CUDA call does once the context is broken."""
+
+    group = -1
 
     def apply(self, requests: list[tuple[list[int], int]]) -> None:
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
@@ -368,6 +372,7 @@ def test_warm_up_sets_the_device_of_the_attach_thread(monkeypatch: pytest.Monkey
 
     class NotingPostProcess:
         block_bytes = 0
+        block_size = 16
 
         def warm_up(self, remote: object, remote_block_size: int) -> None:
             api.note("warm_up")
@@ -379,7 +384,7 @@ def test_warm_up_sets_the_device_of_the_attach_thread(monkeypatch: pytest.Monkey
         block_size=16,
         device=GPU3,
         owner=Owner(b"", ""),
-        postprocesses={PRESETS["NHD"]: NotingPostProcess()},  # type: ignore[dict-item]
+        postprocesses={(0, PRESETS["NHD"]): NotingPostProcess()},  # type: ignore[dict-item]
     )
     worker = threading.Thread(target=warm_up, args=(cache,), name="attach-worker")
     worker.start()
@@ -495,6 +500,8 @@ def test_tuning_without_a_timer_chooses_nothing() -> None:
 
 class WaitNoting:
     """A kernel pass that notes its launch, after whatever the lane's stream waits on."""
+
+    group = -1
 
     def __init__(self, api: HostCuda, name: str = "apply") -> None:
         self.api, self.name = api, name
