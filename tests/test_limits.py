@@ -374,6 +374,7 @@ ATTACH_FIELDS = [
     Row("tensors[].num_heads", attach(**{**FORMAT, "num_heads": BIG}), "Error invalid_cache", 8),
     Row("tensors[].head_dim", attach(**{**FORMAT, "head_dim": BIG}), "Error invalid_cache", 8),
     Row("tensors[].num_layers", attach(**{**FORMAT, "num_layers": BIG}), "Error invalid_cache", 8),
+    Row("tensors[].group", attach(group=BIG), "Error invalid_cache", peak_mib=8),
     Row(
         "the segment: one the engine never wrote (64 MiB, sparse)",
         sparse_segment,

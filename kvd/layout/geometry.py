@@ -271,6 +271,11 @@ def cache_geometry(specs: Sequence[TensorSpec]) -> list[TensorGeometry]:
     first = geometries[0]
     block_sizes: dict[int, tuple[int, int]] = {}  # group -> (block size, first tensor)
     for i, (spec, g) in enumerate(zip(specs, geometries, strict=True)):
+        if spec.group >= len(specs):
+            raise GeometryError(
+                f"tensors[{i}].group: {spec.group}; groups are numbered from 0 with none "
+                f"skipped, and each has a tensor ({len(specs)} here)"
+            )
         if g.num_blocks != first.num_blocks:
             raise GeometryError(
                 f"tensors[{i}].shape: num_blocks {g.num_blocks} differs from tensors[0] "
