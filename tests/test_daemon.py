@@ -903,9 +903,13 @@ def test_group_views_that_could_rewrite_a_byte_twice_are_refused(client: Client)
         # One block apart: block n of the second view is block n + 1 of the first.
         shifted = msgspec.structs.replace(second, memory=ShmRef(name=cache.name, offset=256))
         again = msgspec.structs.replace(first, name="again")  # the same group twice
-        for specs in ([first, shifted], [first, again]):
-            with pytest.raises(KvdError, match="overlap"):
-                client.attach(unique("views"), specs)
+        for view, says in ((shifted, "overlap"), (again, "of the same group 0")):
+            with pytest.raises(KvdError, match=says):
+                client.attach(unique("views"), [first, view])
+        # Two views of group 1 over the bytes group 0's view also covers.
+        twice = [first, second, msgspec.structs.replace(second, name="group.1 again")]
+        with pytest.raises(KvdError, match="of the same group 1; kvd would rewrite them twice"):
+            client.attach(unique("views"), twice)
         cache_id = unique("views")
         client.attach(cache_id, [first, second])
         sub = client.subscribe([cache_id])

@@ -203,6 +203,17 @@ class Registry:
         of different groups may view the same bytes block for block (``TensorSpec.group``): a
         block id names one group's page at a time, so no byte is rewritten twice.
         """
+        # Views of the same bytes must be of different groups (the sweep below compares each
+        # span with one other only).
+        same: dict[tuple[Span, int], int] = {}
+        for i, t in enumerate(cache.tensors):
+            j = same.setdefault((t.span, t.spec.group), i)
+            if j != i:
+                return (
+                    f"tensors[{i}].memory: bytes {t.span.start}..{t.span.end} are those of "
+                    f"{cache.tensors[j].spec.name!r}, of the same group {t.spec.group}; kvd "
+                    "would rewrite them twice"
+                )
         # (span, tensor index in this Attach or -1, owner, tensor)
         spans = [
             (t.span, -1, other.cache_id, t)
