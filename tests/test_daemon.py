@@ -903,7 +903,7 @@ def test_group_views_that_could_rewrite_a_byte_twice_are_refused(client: Client)
         # One block apart: block n of the second view is block n + 1 of the first.
         shifted = msgspec.structs.replace(second, memory=ShmRef(name=cache.name, offset=256))
         again = msgspec.structs.replace(first, name="again")  # the same group twice
-        for view, says in ((shifted, "overlap"), (again, "of the same group 0")):
+        for view, says in ((shifted, "overlap"), (again, "overlap 'layer.0' of another tensor")):
             with pytest.raises(KvdError, match=says):
                 client.attach(unique("views"), [first, view])
         # Two views of group 1 over the bytes group 0's view also covers.

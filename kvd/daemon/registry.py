@@ -203,17 +203,6 @@ class Registry:
         of different groups may view the same bytes block for block (``TensorSpec.group``): a
         block id names one group's page at a time, so no byte is rewritten twice.
         """
-        # Views of the same bytes must be of different groups (the sweep below compares each
-        # span with one other only).
-        same: dict[tuple[Span, int], int] = {}
-        for i, t in enumerate(cache.tensors):
-            j = same.setdefault((t.span, t.spec.group), i)
-            if j != i:
-                return (
-                    f"tensors[{i}].memory: bytes {t.span.start}..{t.span.end} are those of "
-                    f"{cache.tensors[j].spec.name!r}, of the same group {t.spec.group}; kvd "
-                    "would rewrite them twice"
-                )
         # (span, tensor index in this Attach or -1, owner, tensor)
         spans = [
             (t.span, -1, other.cache_id, t)
@@ -237,6 +226,17 @@ class Registry:
                 )
             if entry[0].backing != furthest[0].backing or entry[0].end > furthest[0].end:
                 furthest = entry
+        # The sweep compares each span with one other only: a third view of bytes two groups'
+        # views cover passes it, so views of one span must be of different groups.
+        same: dict[tuple[Span, int], int] = {}
+        for i, t in enumerate(cache.tensors):
+            j = same.setdefault((t.span, t.spec.group), i)
+            if j != i:
+                return (
+                    f"tensors[{i}].memory: bytes {t.span.start}..{t.span.end} overlap "
+                    f"{cache.tensors[j].spec.name!r} of another tensor of this Attach, of the "
+                    f"same group {t.spec.group}; kvd would rewrite them twice"
+                )
         return None
 
     def remove(self, cache_id: str) -> AttachedCache:
