@@ -397,28 +397,22 @@ class KvdWorker(NixlPullConnectorWorker):
     def _tensor_specs(self, kv_caches: dict[str, torch.Tensor]) -> list[TensorSpec]:
         """One spec per distinct region (layers that share a cache share its bytes); of each
         attention group apart where their block sizes differ (``attached_apart``)."""
-        if attached_apart(self._groups):
-            attention = [group for group in self._groups if group.kind != "state"]
-            parts = [
-                (i, {name: kv_caches[name] for name in group.layers if name in kv_caches})
-                for i, group in enumerate(attention)
-            ]
-        else:
-            parts = [(0, kv_caches)]
+        if not self._first_block_size:
+            return self._group_specs(kv_caches, 0)
         specs = []
-        for group, caches in parts:
-            specs += self._group_specs(caches, group)
-        if attached_apart(self._groups):
-            # A ReadDone's block sizes are the groups' own: views of kernel blocks of another
-            # size would be rewritten at the wrong one.
-            sizes = [g.block_size for g in self._groups if g.kind != "state"]
-            for spec in specs:
-                if spec.block_size != sizes[spec.group]:
+        attention = [group for group in self._groups if group.kind != "state"]
+        for i, group in enumerate(attention):
+            views = {name: kv_caches[name] for name in group.layers if name in kv_caches}
+            for spec in self._group_specs(views, i):
+                # A ReadDone's block sizes are the groups' own: views of kernel blocks of
+                # another size would be rewritten at the wrong one.
+                if spec.block_size != group.block_size:
                     raise KvdConnectorError(
                         f"{spec.name}: its view holds blocks of {spec.block_size} tokens, its "
-                        f"KV cache group's are {sizes[spec.group]}: kvd takes groups of block "
+                        f"KV cache group's are {group.block_size}: kvd takes groups of block "
                         "sizes of their own only where the kernels' blocks are the groups'"
                     )
+                specs.append(spec)
         return specs
 
     def _group_specs(self, kv_caches: dict[str, torch.Tensor], group: int) -> list[TensorSpec]:

@@ -14,9 +14,9 @@ of 64 tokens, two remote blocks of 32: ``tests/vllm/test_hybrid.py``); kvd check
 request from the full-attention group's lengths, and a request whose tails start apart is
 recomputed: no rewrite of pages moves bytes between blocks.
 
-Groups whose layers' pages hold different tokens (other head sizes: a Gemma 4 sliding layer of
-head_dim 256, a full one of 512) get block sizes of their own from vLLM, the pages the same
-size, and each tensor is one layer of every group: kvd attaches each group's views apart
+Groups whose layers' pages hold different tokens (other head sizes, as Gemma 4 sizes its
+sliding and full layers apart) get block sizes of their own from vLLM, the pages the same size,
+and each tensor is one layer of every group: kvd attaches each group's views apart
 (``TensorSpec.group``) and is told each group's blocks.
 
 State groups (Mamba, whose blocks each hold one running state, not tokens) move 1:1 at any
@@ -119,11 +119,8 @@ def request_groups(
     ``remote_counts``: how many remote blocks each group read; ``ratio``: nD / nP (>= 1);
     ``ranges``: vLLM 0.34's covered ranges per group, where it records them.
     """
-    full = next((group for group in groups if group.kind == "full"), None)
-    full_counts = next(
-        ((len(local[g]), remote_counts[g]) for g, group in enumerate(groups) if group is full),
-        (0, 0),
-    )
+    f = next((g for g, group in enumerate(groups) if group.kind == "full"), None)
+    full = None if f is None else (groups[f], len(local[f]), remote_counts[f])
     parts: list[tuple[list[int], int]] = []
     for g, group in enumerate(groups):
         if group.kind == "state":
@@ -135,7 +132,7 @@ def request_groups(
         # vLLM reads the last len(blocks) * ratio remote blocks where there are more.
         read = min(remote_counts[g], len(blocks) * ratio)
         if group.kind == "sliding_window" and not _window_aligned(
-            group, len(blocks), read, ratio, full=full, full_counts=full_counts
+            group, len(blocks), read, ratio, full=full
         ):
             return (
                 f"group {g} (sliding window): vLLM paired its last {len(blocks)} local blocks "
@@ -157,22 +154,20 @@ def _window_aligned(
     num_remote: int,
     ratio: int,
     *,
-    full: Group | None,
-    full_counts: tuple[int, int],
+    full: tuple[Group, int, int] | None,
 ) -> bool:
     """Whether a sliding-window group's local and remote lists start at the same token. A
-    full-attention group of the same request holds every block on both sides: its block
-    counts bound the request's tokens, and the window's lists end where they end. Where the
-    window's blocks are smaller than the full group's those bounds may not fix its first
-    token: then it is taken as not aligned (the request is recomputed)."""
+    full-attention group of the same request (``full``: it, and its local and remote block
+    counts) holds every block on both sides: its block counts bound the request's tokens, and
+    the window's lists end where they end. Where the window's blocks are smaller than the full
+    group's those bounds may not fix its first token: then it is taken as not aligned (the
+    request is recomputed)."""
     if full is None:
         return ratio == 1 and num_local == num_remote
+    group, full_local, full_remote = full
     starts = [
-        _window_start(window.block_size // scale, full.block_size // scale, count, listed)
-        for scale, count, listed in (
-            (1, full_counts[0], num_local),
-            (ratio, full_counts[1], num_remote),
-        )
+        _window_start(window.block_size // scale, group.block_size // scale, count, listed)
+        for scale, count, listed in ((1, full_local, num_local), (ratio, full_remote, num_remote))
     ]
     return starts[0] is not None and starts[0] == starts[1]
 
