@@ -182,6 +182,48 @@ def make_mamba_model(directory: Path, seed: int = 0) -> Path:
     return directory
 
 
+def make_head_sizes_model(directory: Path, seed: int = 0) -> Path:
+    """A 2-layer Gemma 4 text model, seeded random weights, the Llama's sizes: its
+    sliding-window layer (window 32) has head_dim 64, its full-attention layer 128, so vLLM
+    gives their groups block sizes of their own over one memory. Untied, spread output weights
+    and sharp attention: a wrong block changes the first token."""
+    import torch
+    import transformers
+
+    settings: dict[str, Any] = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=32,
+        per_layer_config={"01": {"head_dim": 2 * HEAD_DIM}},
+        hidden_size_per_layer_input=0,
+        vocab_size_per_layer_input=VOCAB,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+        final_logit_softcapping=None,
+    )
+    config = transformers.Gemma4TextConfig(**settings)
+    config.architectures = ["Gemma4ForCausalLM"]
+    torch.manual_seed(seed)
+    model = transformers.Gemma4ForCausalLM(config)
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if weight.dim() < 2:
+                continue
+            gain = 3.0 if "lm_head" in name else 2.0 if "q_proj" in name or "k_proj" in name else 1
+            weight.normal_(0, gain / math.sqrt(weight.shape[-1]))
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
 def make_mla_model(directory: Path, seed: int = 0) -> Path:
     """A 2-layer DeepSeek-V2 with MLA (no q LoRA, no MoE: every MLP dense), seeded random
     weights, the Llama's hidden size and vocabulary: its KV cache is one 576-element latent

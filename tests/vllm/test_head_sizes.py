@@ -11,7 +11,6 @@ its own format. Stock vLLM decodes garbage at 32 -> 64, without an error.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm is not installed (pip install -e '.[vllm]')")
 
+from kvd.bench.vllm_engine import make_head_sizes_model
 from kvd.daemon_process import DaemonProcess
 from tests.vllm.test_hybrid import PAIRED_APART
 from tests.vllm.test_larger_prefill_blocks import recomputed
@@ -30,51 +30,11 @@ APART_REFUSAL = re.compile(
 )
 
 
-def make_two_head_size_model(directory: Path, seed: int = 0) -> Path:
-    """A 2-layer Gemma 4 text model (4 heads, 2 KV heads, vocabulary 4096), seeded weights: its
-    sliding-window layer has head_dim 64, its full-attention layer 128. Untied, spread output
-    weights and sharp attention: a wrong block changes the first token."""
-    import torch
-    import transformers
-
-    config = transformers.Gemma4TextConfig(
-        vocab_size=4096,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        layer_types=["sliding_attention", "full_attention"],
-        sliding_window=32,
-        per_layer_config={"01": {"head_dim": 128}},
-        hidden_size_per_layer_input=0,
-        vocab_size_per_layer_input=4096,
-        max_position_embeddings=2048,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-        final_logit_softcapping=None,
-    )
-    config.architectures = ["Gemma4ForCausalLM"]
-    torch.manual_seed(seed)
-    model = transformers.Gemma4ForCausalLM(config)
-    with torch.no_grad():
-        for name, weight in model.named_parameters():
-            if weight.dim() < 2:
-                continue
-            gain = 3.0 if "lm_head" in name else 2.0 if "q_proj" in name or "k_proj" in name else 1
-            weight.normal_(0, gain / math.sqrt(weight.shape[-1]))
-    model.save_pretrained(directory, safe_serialization=True)
-    return directory
-
-
 @pytest.fixture(scope="module")
 def head_sizes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     """Stock prefill instances with blocks of 32 and 64, and the single-instance baseline."""
     work = tmp_path_factory.mktemp("vllm-head-sizes")
-    model = make_two_head_size_model(work / "tiny-gemma4")
+    model = make_head_sizes_model(work / "tiny-gemma4")
     with stock_prefills(work, model, (32, 64), baseline_from=32) as setup:
         yield setup
 
