@@ -1,7 +1,7 @@
 """KV cache groups of block sizes of their own, through a real vLLM 0.32 prefill/decode pair on
 CPU, kvd and stock side by side.
 
-The model is a tiny Gemma 4 text model built here from a fixed seed: a sliding-window layer
+The model is a tiny Gemma 4 text model from a fixed seed (``make_head_sizes_model``): a window layer
 (window 32) of head_dim 64 and a full-attention layer of head_dim 128, as Gemma 4 sizes its
 layers apart. vLLM keeps one page size for every group, so it gives the window group blocks of
 twice the tokens (64 and 32 at block size 32) and lays both groups' views over one memory: kvd
