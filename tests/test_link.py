@@ -8,6 +8,7 @@ and pops the link's deque; these tests drive the link the way the connector's st
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -21,6 +22,8 @@ from kvd.daemon_process import DaemonProcess
 from kvd.protocol import Ready
 from kvd.vllm.holding import Released
 from kvd.vllm.link import (
+    STATS_BUSY_S,
+    STATS_QUIET_S,
     Attachment,
     GiveUp,
     KvdLink,
@@ -29,6 +32,7 @@ from kvd.vllm.link import (
     State,
     io_thread_cpus,
     parse_io_cpus,
+    stats_due,
 )
 from kvd.vllm.stats import HandoffStats
 from tests.daemon_helpers import zmq_io_threads
@@ -155,6 +159,48 @@ def test_stats_stay_bounded_however_long_the_run(cache: ShmCache) -> None:
     assert len(report["ready_latency"]["recent_s"]) <= 10_000
     assert len(report["answer_latency"]["recent_s"]) <= 10_000
     assert report["steps_to_release"] == {"1": 30_000}
+
+
+def test_the_stats_file_waits_while_the_engine_hands_off() -> None:
+    """Each write holds the GIL the engine's step then waits for: while requests flow the file
+    is rewritten every ``STATS_BUSY_S`` at most (ten times a second before, a late token for
+    every running request each time), and once the engine is quiet."""
+    changed = 100.0
+    assert not stats_due(changed + 0.1, changed_at=changed, written_at=changed - 1.0)
+    assert not stats_due(changed + 0.001, changed_at=changed, written_at=changed - 0.2)
+    assert stats_due(changed + STATS_QUIET_S, changed_at=changed, written_at=changed - 1.0)
+    assert stats_due(changed + 0.001, changed_at=changed, written_at=changed - STATS_BUSY_S)
+
+
+def test_the_stats_file_holds_every_answer_once_the_engine_is_quiet(
+    cache: ShmCache, tmp_path: Path
+) -> None:
+    """Read while the link rewrites it, the file is always whole JSON; once the engine stops
+    handing off it holds every request, without waiting for the link to close."""
+    path = tmp_path / "stats.json"
+    with DaemonProcess() as daemon:
+        link = KvdLink(
+            Client(daemon.runtime_dir, timeout=5.0),
+            Attachment(f"link-{next(_ids)}", cache.specs, "engine", 10.0),
+            down_timeout_s=60.0,
+            stats=HandoffStats(),
+            stats_path=str(path),
+        )
+        link.start()
+        try:
+            for i in range(20):
+                send(link, f"s{i}")
+                assert isinstance(next_notice(link), Ready)
+                link.stats.step(1e-5, 1, Released(latencies_s=[1e-3], answered_s=[5e-4]), [1])
+                if path.exists():
+                    json.loads(path.read_text())  # never half a file
+            deadline = time.monotonic() + 30
+            while not (path.exists() and json.loads(path.read_text())["requests"] == 20):
+                assert time.monotonic() < deadline, "the stats never caught up with the engine"
+                time.sleep(0.01)
+        finally:
+            link.close()
+    assert json.loads(path.read_text())["requests"] == 20
 
 
 def io_thread_cpus_now() -> dict[int, str]:

@@ -357,6 +357,22 @@ def _stats(path: Path) -> dict[str, Any]:
     return {}
 
 
+def _settled_stats(path: Path) -> dict[str, Any]:
+    """The connector's stats with the turn's last requests in: its link rewrites the file once
+    the engine has been quiet for ``STATS_QUIET_S``, so this reads until two reads that far
+    apart agree (a few tenths of a second after the load client exits)."""
+    from kvd.vllm.link import STATS_QUIET_S
+
+    stats = _stats(path)
+    for _ in range(25):
+        time.sleep(2 * STATS_QUIET_S)
+        again = _stats(path)
+        if again == stats:
+            break
+        stats = again
+    return stats
+
+
 def _legs(timings: Path, since: float) -> list[dict[str, Any]]:
     if not timings.exists():
         return []
@@ -463,7 +479,7 @@ def run(args: argparse.Namespace) -> int:
                             n: _used(threads_before[n], s.thread_cpu()) for n, s in servers.items()
                         },
                         "connector_before": stats_before,
-                        "connector_after": _stats(stats_path) if connector == "kvd" else {},
+                        "connector_after": _settled_stats(stats_path) if connector == "kvd" else {},
                     }
                     bar.update(1)
                 runs.append(run_report(measured, order))
