@@ -8,7 +8,13 @@ import sys
 from typing import Any
 
 from kvd.bench.serve import place, prompt_seed
-from kvd.bench.serve_report import CONNECTORS, repeated_report, run_report, table
+from kvd.bench.serve_report import (
+    CONNECTORS,
+    median_interval,
+    repeated_report,
+    run_report,
+    table,
+)
 
 
 def measured(throughput: float, ttft_ms: float, ttfts_s: list[float]) -> dict[str, Any]:
@@ -74,6 +80,43 @@ def test_the_table_names_misses_failures_and_what_the_machine_did() -> None:
     assert "kept a ready thread off its core for 3.0s" in text
     assert "reads of blocks past their lease" in text
     assert "left its cache attached to kvd" in text
+
+
+def test_the_median_s_interval_is_the_order_statistics_the_binomial_law_gives() -> None:
+    # 5 runs: the smallest and largest hold the median with 1 - 2/32; 10 runs: the second
+    # smallest and largest, 1 - 2 * 11/1024 (the third, 89%, is under 90%).
+    assert median_interval([1.1, 0.9, 1.0, 1.3, 0.8]) == (0.8, 1.3, 1 - 2 / 32)
+    assert median_interval([float(i) for i in range(10)]) == (1.0, 8.0, 1 - 2 * 11 / 1024)
+    assert median_interval([1.0, 1.1, 0.9, 1.2]) is None
+
+
+def test_a_miss_says_whether_the_runs_noise_covers_it() -> None:
+    """Five runs whose throughput ratios straddle 1.0 miss within the noise; five that all
+    fall short miss beyond it."""
+    args = argparse.Namespace(
+        num_prompts=24, input_len=600, output_len=48, concurrency=4, prefill_block=32,
+        decode_block=64, prompts="distinct",
+    )  # fmt: skip
+    for kvd_rates, expected in (
+        (
+            [1.8, 1.9, 2.2, 1.7, 1.9],
+            "1 of 5 runs; 94% interval 0.85x-1.10x: within the runs' noise",
+        ),
+        (
+            [1.8, 1.9, 1.9, 1.7, 1.9],
+            "0 of 5 runs; 94% interval 0.85x-0.95x: beyond the runs' noise",
+        ),
+    ):
+        runs = [
+            run_report(
+                {"stock": measured(2.0, 500, [0.5]), "kvd": measured(rate, 500, [0.5])},
+                CONNECTORS,
+            )
+            for rate in kvd_rates
+        ]
+        report = repeated_report(runs, {}, {}, stale_reads=False, released=True)
+        text = "\n".join(table(report, args))
+        assert f"MISSED request throughput >= 1.0x stock: 0.95x ({expected})" in text, text
 
 
 def test_distinct_prompts_are_new_to_every_run_and_server() -> None:

@@ -51,6 +51,27 @@ TARGETS = [
 ]
 
 
+INTERVAL_CONFIDENCE = 0.9
+"""The least confidence of the interval printed around the median of the per-run ratios."""
+
+
+def median_interval(values: list[float]) -> tuple[float, float, float] | None:
+    """A distribution-free interval for the median of what ``values`` sample: the k-th smallest
+    and k-th largest, with the largest k whose confidence (the chance that the median lies
+    between them, from the binomial law) is at least ``INTERVAL_CONFIDENCE``; then that
+    confidence. None for fewer than 5 values (4 give at most 87.5%)."""
+    n = len(values)
+    ordered = sorted(values)
+    best: tuple[float, float, float] | None = None
+    for k in range(1, n // 2 + 1):
+        outside = sum(math.comb(n, i) for i in range(k)) / 2**n
+        confidence = 1 - 2 * outside
+        if confidence < INTERVAL_CONFIDENCE:
+            break
+        best = (ordered[k - 1], ordered[n - k], confidence)
+    return best
+
+
 def connector_figures(connector: str, measured: dict[str, Any]) -> dict[str, Any]:
     """``connector``'s decode server's figures in one run."""
     result = measured["result"]
@@ -126,8 +147,21 @@ def repeated_report(
         met_runs = sum(
             target.met(_ratio(r["kvd"][target.key], r["stock"][target.key])) for r in runs
         )
+        interval = median_interval(
+            [_ratio(r["kvd"][target.key], r["stock"][target.key]) for r in runs]
+        )
         verdicts.append(
-            {"target": target.label, "ratio": ratio, "met": target.met(ratio), "runs_met": met_runs}
+            {
+                "target": target.label,
+                "ratio": ratio,
+                "met": target.met(ratio),
+                "runs_met": met_runs,
+                # Where the median of the per-run ratios lies, from these runs: whether a miss
+                # (or a meeting) is kvd's or the machine's noise.
+                "interval": interval,
+                "decided": interval is not None
+                and target.met(interval[0]) == target.met(interval[1]),
+            }
         )
     return {
         "runs": runs,
@@ -180,9 +214,16 @@ def table(report: dict[str, Any], args: argparse.Namespace) -> list[str]:
     lines.append("")
     for verdict in report["targets"]:
         mark = "met" if verdict["met"] else "MISSED"
+        interval = verdict.get("interval")
+        noise = ""
+        if interval is not None:
+            low, high, confidence = interval
+            noise = f"; {confidence:.0%} interval {low:.2f}x-{high:.2f}x: " + (
+                "beyond the runs' noise" if verdict["decided"] else "within the runs' noise"
+            )
         lines.append(
             f"  {mark:6} {verdict['target']}: {verdict['ratio']:.2f}x "
-            f"({verdict['runs_met']} of {len(runs)} runs)"
+            f"({verdict['runs_met']} of {len(runs)} runs{noise})"
         )
     failed = {c: sum(r[c]["failed"] for r in runs) for c in CONNECTORS}
     if any(failed.values()):
