@@ -60,6 +60,23 @@ def test_targets_are_judged_on_the_medians_with_the_runs_that_met_each() -> None
     assert abs(throughput["ratio"] - 1.05) < 1e-9
 
 
+def test_targets_are_judged_on_the_median_of_the_runs_paired_ratios() -> None:
+    """Each run pairs the two servers: a machine twice as fast in one run moves both. kvd at
+    1.2x, 0.9x and 1.0x stock's throughput in three runs meets 1.0x (the median run), where
+    the ratio of the two medians (1.8 / 2.0) would call it 0.9x."""
+    runs = [
+        run_report(
+            {"stock": measured(stock, 500, [0.5]), "kvd": measured(kvd, 500, [0.5])},
+            CONNECTORS,
+        )
+        for stock, kvd in ((1.0, 1.2), (2.0, 1.8), (3.0, 3.0))
+    ]
+    report = repeated_report(runs, {}, {}, stale_reads=False, released=True)
+    throughput = report["targets"][0]
+    assert throughput["met"] and abs(throughput["ratio"] - 1.0) < 1e-9, throughput
+    assert abs(report["ratios"]["req_s"] - 1.0) < 1e-9
+
+
 def test_the_table_names_misses_failures_and_what_the_machine_did() -> None:
     runs = three_runs()
     runs[1]["kvd"]["failed"] = 2
