@@ -51,13 +51,19 @@ def cache() -> Iterator[ShmCache]:
         cache.close()
 
 
-def start_link(daemon: DaemonProcess, cache: ShmCache, down_timeout_s: float = 60.0) -> KvdLink:
+def start_link(
+    daemon: DaemonProcess,
+    cache: ShmCache,
+    down_timeout_s: float = 60.0,
+    stats_path: Path | None = None,
+) -> KvdLink:
     cache_id = f"link-{next(_ids)}"
     link = KvdLink(
         Client(daemon.runtime_dir, timeout=5.0),
         Attachment(cache_id, cache.specs, "engine", 10.0),
         down_timeout_s=down_timeout_s,
         stats=HandoffStats(),
+        stats_path=None if stats_path is None else str(stats_path),
     )
     link.start()
     return link
@@ -179,14 +185,7 @@ def test_the_stats_file_holds_every_answer_once_the_engine_is_quiet(
     handing off it holds every request, without waiting for the link to close."""
     path = tmp_path / "stats.json"
     with DaemonProcess() as daemon:
-        link = KvdLink(
-            Client(daemon.runtime_dir, timeout=5.0),
-            Attachment(f"link-{next(_ids)}", cache.specs, "engine", 10.0),
-            down_timeout_s=60.0,
-            stats=HandoffStats(),
-            stats_path=str(path),
-        )
-        link.start()
+        link = start_link(daemon, cache, stats_path=path)
         try:
             for i in range(20):
                 send(link, f"s{i}")
