@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import http.server
+import os
 import subprocess
 import sys
+import threading
+from pathlib import Path
 from typing import Any
 
-from kvd.bench.serve import place, prompt_seed
+from kvd.bench.serve import _proxy, load_cores, place, prompt_seed
 from kvd.bench.serve_report import (
     CONNECTORS,
     median_interval,
@@ -155,6 +159,52 @@ def test_kvd_runs_apart_from_the_decode_unless_asked_to_share_its_core() -> None
     assert place([4, 5], "apart") == {"prefill": 4, "stock": 5, "kvd": 5, "kvd serve": 4}
     assert place([4, 5], "decode")["kvd serve"] == 5
     assert place([2], "apart") == {"prefill": 2, "stock": 2, "kvd": 2, "kvd serve": 2}
+
+
+def test_the_load_client_and_proxy_run_off_the_decodes_core() -> None:
+    """As deployed, where they are on other machines: a spare core where there is one, else the
+    other servers' cores; the decode's only on a machine of one core."""
+    four = place([0, 1, 2, 3], "apart")
+    assert load_cores([0, 1, 2, 3], four) == {2}
+    assert load_cores([4, 5], place([4, 5], "apart")) == {4}
+    assert load_cores([4, 5], place([4, 5], "decode")) == {4}
+    assert load_cores([0, 1, 2], place([0, 1, 2], "apart")) == {0, 1}
+    assert load_cores([2], place([2], "apart")) == {2}
+
+
+def test_the_proxy_runs_on_the_cores_it_is_given(tmp_path: Path) -> None:
+    """A real proxy process, before a healthy server (its /health asks the server's): its
+    affinity is the cores given, not this process's."""
+    cores = frozenset(sorted(os.sched_getaffinity(0))[:1])
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Healthy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    before = _children()
+    try:
+        with _proxy(tmp_path, url, url, cores):
+            started = _children() - before
+            assert [os.sched_getaffinity(pid) for pid in started] == [cores]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+class _Healthy(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def _children() -> set[int]:
+    return {
+        int(pid)
+        for task in Path("/proc/self/task").iterdir()
+        for pid in (task / "children").read_text().split()
+    }
 
 
 def test_bad_sizes_are_usage_errors_naming_the_option() -> None:

@@ -9,8 +9,8 @@ time and all at once, streamed and not, are compared with the prefill server's o
 instance): kvd's must equal it; stock vLLM's CPU merge is wrong at differing block sizes.
 
 Each server's processes run on one core, as on a machine of its own: the prefill's on the
-first, the decodes' (which take turns) on the last (``Server``), and kvd on a core apart from the
-decode's (``place``).
+first, the decodes' (which take turns) on the last (``Server``), kvd on a core apart from the
+decode's (``place``), and the proxy and the load client off the decode's core (``load_cores``).
 The servers run through ``kvd.bench.vllm_server`` (vLLM's own CLI; NIXL's progress thread
 waiting for UCX's events unless ``--nixl-progress-thread``: see that module).
 ``kvd.bench.serve_report`` turns each run's figures into the table and the targets.
@@ -68,7 +68,8 @@ Figures per decode connector (vllm bench serve's, over the timed requests):
                  report.json)
 Where they run: each server's processes on one core, as on a machine of its own, the
 prefill's on the first core, the decodes' (which take turns) on the last, kvd on a core
-apart from the decode's (a third core if there is one, else the prefill's: --kvd-core).
+apart from the decode's (a third core if there is one, else the prefill's: --kvd-core), the
+proxy and the load client off the decode's core (on a spare core if there is one).
 Targets, on the medians of the runs: throughput >= stock, TTFT p50 <= 1.05x and p99 <= 1.0x
 stock's, ITL p99 <= stock's, e2e p50 <= stock's.
 """
@@ -281,9 +282,10 @@ def load_run(
     *,
     warmups: int,
     seed: int,
+    cores: frozenset[int] | None = None,
 ) -> dict[str, Any]:
-    """One ``vllm bench serve`` through the proxy, its random prompts drawn from ``seed``; its
-    result as saved (per request too)."""
+    """One ``vllm bench serve`` through the proxy, its random prompts drawn from ``seed``, running
+    on ``cores`` (None: where this process may); its result as saved (per request too)."""
     name = f"{tag}.json"
     cmd = [
         sys.executable, "-m", "kvd.vllm.cli", "bench", "serve",
@@ -306,7 +308,7 @@ def load_run(
         "--result-filename", name,
         "--disable-tqdm",
     ]  # fmt: skip
-    with open(work / f"{tag}.client.log", "wb") as log:
+    with open(work / f"{tag}.client.log", "wb") as log, spawning_on(cores):
         code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
     if code != 0:
         tail = (work / f"{tag}.client.log").read_text(errors="replace").splitlines()[-30:]
@@ -316,10 +318,13 @@ def load_run(
 
 
 @contextlib.contextmanager
-def _proxy(work: Path, prefill: str, decode: str) -> Iterator[tuple[str, Path]]:
+def _proxy(
+    work: Path, prefill: str, decode: str, cores: frozenset[int] | None = None
+) -> Iterator[tuple[str, Path]]:
+    """The P/D proxy, running on ``cores`` (None: where this process may)."""
     port = free_port()
     timings = work / "proxy-timings.jsonl"
-    with open(work / "proxy.log", "wb") as log:
+    with open(work / "proxy.log", "wb") as log, spawning_on(cores):
         proc = subprocess.Popen(
             [
                 sys.executable,
@@ -401,7 +406,9 @@ def run(args: argparse.Namespace) -> int:
         )
         work.mkdir(parents=True, exist_ok=True)
         model = make_tokenizer(make_model(work / "model"))
-        server_cores = place(sorted(os.sched_getaffinity(0)), args.kvd_core)
+        cores = sorted(os.sched_getaffinity(0))
+        server_cores = place(cores, args.kvd_core)
+        load = load_cores(cores, server_cores)
         # Beside three vLLM servers starting, kvd's torch import alone can take a minute.
         daemon = stack.enter_context(pinned_daemon(server_cores["kvd serve"], timeout=START_S))
         assert daemon.proc is not None
@@ -436,9 +443,10 @@ def run(args: argparse.Namespace) -> int:
         for server in servers.values():
             server.wait_ready()
         prefill = servers["prefill"]
-        proxy, timings = stack.enter_context(_proxy(work, prefill.url, servers["stock"].url))
+        proxy, timings = stack.enter_context(_proxy(work, prefill.url, servers["stock"].url, load))
         placement = {n: s.placement() for n, s in servers.items()}
         placement["kvd serve"] = f"on {format_cpus(os.sched_getaffinity(kvd_pid))}"
+        placement["proxy and load client"] = f"on {format_cpus(load)}"
         prompts = check_prompts(args.check_prompts)
         runs: list[dict[str, Any]] = []
         steps = args.runs * len(CONNECTORS)
@@ -469,6 +477,7 @@ def run(args: argparse.Namespace) -> int:
                         args,
                         warmups=warmups,
                         seed=prompt_seed(args, index, connector),
+                        cores=load,
                     )
                     measured[connector] = {
                         "result": result,
@@ -513,6 +522,17 @@ def place(cores: list[int], kvd_core: str) -> dict[str, int]:
     apart = cores[1] if len(cores) >= 3 else cores[0]
     daemon = decode if kvd_core == "decode" else apart
     return {"prefill": cores[0], **dict.fromkeys(CONNECTORS, decode), "kvd serve": daemon}
+
+
+def load_cores(cores: list[int], servers: dict[str, int]) -> frozenset[int]:
+    """Where the proxy and the load client run: off the decode's core always, as they are off the
+    decode's machine where P/D is deployed; on cores no server uses where there are any, else on
+    the other servers'. Left to float, the kernel's load balancer moved them onto the decode's
+    core more in kvd's turns (kvd's work moves off that core) than in stock's, and the decode
+    computed its steps slower for it, not for anything of kvd's (docs/benchmarks.md)."""
+    decode = servers[CONNECTORS[0]]
+    spare = frozenset(cores) - set(servers.values())
+    return spare or frozenset(cores) - {decode} or frozenset(cores)
 
 
 def prompt_seed(args: argparse.Namespace, index: int, connector: str) -> int:
