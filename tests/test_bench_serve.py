@@ -140,6 +140,22 @@ def test_a_miss_says_whether_the_runs_noise_covers_it() -> None:
         assert f"MISSED request throughput >= 1.0x stock: 0.95x ({expected})" in text, text
 
 
+def test_a_ratio_that_rounds_to_its_limit_is_shown_to_three_places() -> None:
+    """ITL p99 at 1.003x stock's misses 1.0x: the verdict must not read "MISSED ... 1.00x"."""
+    args = argparse.Namespace(
+        num_prompts=24, input_len=600, output_len=48, concurrency=4, prefill_block=32,
+        decode_block=64, prompts="distinct",
+    )  # fmt: skip
+    runs = [
+        run_report({"stock": measured(2.0, 500, [0.5]), "kvd": measured(2.0, 500, [0.5])},
+                   CONNECTORS)
+    ]  # fmt: skip
+    runs[0]["kvd"]["itl_p99"] = runs[0]["stock"]["itl_p99"] * 1.003
+    text = "\n".join(table(repeated_report(runs, {}, {}, stale_reads=False, released=True), args))
+    assert "MISSED ITL p99 <= 1.0x stock: 1.003x (0 of 1 runs)" in text, text
+    assert "met    request throughput >= 1.0x stock: 1.00x (1 of 1 runs)" in text, text
+
+
 def test_distinct_prompts_are_new_to_every_run_and_server() -> None:
     """Distinct prompts never repeat (no prefix-cache hit on either side); repeated ones do."""
     seeds = [

@@ -129,6 +129,14 @@ def _ratio(kvd: float, stock: float) -> float:
     return kvd / stock if stock else float("inf")
 
 
+def _shown(ratio: float, limit: float | None) -> str:
+    """``ratio`` to two places, or three where two would read as the limit it misses or meets
+    only beyond them (1.003x, a miss of 1.0x, would read 1.00x)."""
+    if limit is not None and ratio != limit and f"{ratio:.2f}" == f"{limit:.2f}":
+        return f"{ratio:.3f}x"
+    return f"{ratio:.2f}x"
+
+
 def repeated_report(
     runs: list[dict[str, Any]],
     checks: dict[str, Any],
@@ -153,6 +161,7 @@ def repeated_report(
         verdicts.append(
             {
                 "target": target.label,
+                "limit": target.limit,
                 "ratio": ratio,
                 "met": target.met(ratio),
                 "runs_met": sum(target.met(r) for r in per_run[target.key]),
@@ -225,8 +234,9 @@ def table(report: dict[str, Any], args: argparse.Namespace) -> list[str]:
             noise = f"; {confidence:.0%} interval {low:.2f}x-{high:.2f}x: " + (
                 "beyond the runs' noise" if verdict["decided"] else "within the runs' noise"
             )
+        shown = _shown(verdict["ratio"], verdict.get("limit"))
         lines.append(
-            f"  {mark:6} {verdict['target']}: {verdict['ratio']:.2f}x "
+            f"  {mark:6} {verdict['target']}: {shown} "
             f"({verdict['runs_met']} of {len(runs)} runs{noise})"
         )
     failed = {c: sum(r[c]["failed"] for r in runs) for c in CONNECTORS}
