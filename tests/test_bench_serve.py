@@ -14,6 +14,7 @@ from typing import Any
 from kvd.bench.serve import _proxy, load_cores, place, prompt_seed
 from kvd.bench.serve_report import (
     CONNECTORS,
+    connector_figures,
     median_interval,
     repeated_report,
     run_report,
@@ -154,6 +155,15 @@ def test_a_ratio_that_rounds_to_its_limit_is_shown_to_three_places() -> None:
     text = "\n".join(table(repeated_report(runs, {}, {}, stale_reads=False, released=True), args))
     assert "MISSED ITL p99 <= 1.0x stock: 1.003x (0 of 1 runs)" in text, text
     assert "met    request throughput >= 1.0x stock: 1.00x (1 of 1 runs)" in text, text
+
+
+def test_requests_handed_off_at_a_steps_end_are_this_runs() -> None:
+    """The connector's stats count from the server's start: a run's are the difference."""
+    run = measured(2.0, 500, [0.5])
+    run["connector_before"] = {"requests": 10, "early": 8}
+    run["connector_after"] = {"requests": 30, "early": 25}
+    figures = connector_figures("kvd", run)
+    assert (figures["kvd_requests"], figures["late_requests"]) == (20, 3)
 
 
 def test_distinct_prompts_are_new_to_every_run_and_server() -> None:

@@ -759,6 +759,7 @@ def test_kvd_vllm_hands_off_behind_one_marker_per_step_and_frees_it_when_answere
     worker._holding, worker._unsent, worker._split_reads = Holding(), [], {}
     worker._markers, worker._step_marker = cudaipc.HandOffMarkers(), b""
     worker._landed_early, worker._fail_when_answered, worker._answered_early = set(), set(), {}
+    worker._looked_at = 0.0
     worker._link, worker.stats = link, HandoffStats()
     landed: set[str] = set()
 

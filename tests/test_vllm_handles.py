@@ -106,6 +106,7 @@ def decode_worker(connector: Any, agent: Any, link: StepLink) -> Any:
     worker._holding, worker._unsent, worker._split_reads, worker._metas = Holding(), [], {}, {}
     worker._markers, worker._step_marker = None, b""
     worker._landed_early, worker._fail_when_answered, worker._answered_early = set(), set(), {}
+    worker._looked_at = 0.0
     worker._nixl_errors = nixl_errors()
     worker._link, worker.stats = link, HandoffStats()
     return worker
@@ -265,6 +266,36 @@ def test_a_request_landed_before_a_step_is_handed_off_at_its_start_and_released_
     worker.hand_off_landed()  # a step without a forward: told once
     side.answer()
     results = worker.get_transfer_results()
+    assert "req" in results.finished_recving and "req" not in results.failed_recving
+    assert len(side.link.sent) == 1 and "req" not in worker._recving_transfers
+
+
+def test_a_read_that_lands_during_the_forward_is_handed_off_at_an_attention_layer(
+    connector: Any, decode_side: DecodeSide
+) -> None:
+    """On CPU a step's READs are posted before its forward; one still in flight then may land
+    during it. vLLM calls ``wait_for_layer_load`` at each attention layer's start: kvd is told
+    there, and an answer before the step's end releases the request at that end, as stock's
+    inline merge would, not a step later."""
+    side, worker = decode_side, decode_side.worker
+    worker.device_type = "cpu"
+    decode = object.__new__(connector.KvdConnector)
+    decode.connector_worker = worker
+    os.kill(side.peers[0][0].pid, signal.SIGSTOP)
+    in_flight = side.post(0)
+    assert in_flight is not None, "a READ from a stopped peer finished"
+    worker.hand_off_landed()  # the step's start: still in flight
+    decode.wait_for_layer_load("layer.0")  # the forward's first layer: still in flight
+    assert side.link.sent == []
+    os.kill(side.peers[0][0].pid, signal.SIGCONT)
+    side.wait_done(in_flight)
+    time.sleep(connector.LOOK_S)
+    decode.wait_for_layer_load("layer.1")  # a later layer: landed
+    assert [r.req_id for r in side.read_dones()] == ["req"]
+    worker.stats.absorb()
+    assert (worker.stats.early, worker.stats.during_forward) == (1, 1)
+    side.answer()
+    results = worker.get_transfer_results()  # the step's end
     assert "req" in results.finished_recving and "req" not in results.failed_recving
     assert len(side.link.sent) == 1 and "req" not in worker._recving_transfers
 

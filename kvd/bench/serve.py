@@ -63,6 +63,8 @@ Figures per decode connector (vllm bench serve's, over the timed requests):
   ready          kvd's ReadDone -> Ready as the connector saw it, p50 and max, ms (kvd only):
                  the request's release, at the engine's next step after the answer
   answer         ReadDone -> kvd's answer at the connector's link thread, p50, ms (kvd only)
+  at step's end  requests handed to kvd at a step's end, their READs seen landed only there
+                 (kvd only): each is released a step after stock's inline merge would
   hand-off       the engine thread's time handing requests to kvd, sum and max, ms (kvd only)
   CPU time       kvd's and each server's CPU seconds in the run (every thread's: --keep's
                  report.json)

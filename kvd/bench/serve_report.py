@@ -98,6 +98,8 @@ def connector_figures(connector: str, measured: dict[str, Any]) -> dict[str, Any
         requests = after.get("requests", 0) - before.get("requests", 0)
         recent = _latest(after, "ready_latency", requests)
         figures["kvd_requests"] = requests
+        # Handed off at a step's end: released a step after stock's inline merge would.
+        figures["late_requests"] = requests - (after.get("early", 0) - before.get("early", 0))
         figures["ready_p50_ms"] = ms(recent, 0.5) if recent else math.nan
         figures["ready_max_ms"] = ms(recent, 1.0) if recent else math.nan
         answered = _latest(after, "answer_latency", requests)
@@ -215,6 +217,7 @@ def table(report: dict[str, Any], args: argparse.Namespace) -> list[str]:
         ("ready_p50_ms", "kvd ReadDone->Ready p50 ms"),
         ("ready_max_ms", "kvd ReadDone->Ready max ms"),
         ("answered_p50_ms", "kvd answer at the link p50 ms"),
+        ("late_requests", "handed off at step's end, requests"),
         ("handoff_sum_ms", "hand-offs, engine thread, sum ms"),
         ("handoff_max_ms", "hand-off, engine thread, max ms"),
     ):

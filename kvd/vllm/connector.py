@@ -129,6 +129,9 @@ log.log(logging.INFO if _tested else logging.WARNING, "%s", _version_line)
 
 DOWN_TIMEOUT_S = 10.0
 """How long held requests wait for a kvd that is not running before they are failed."""
+LOOK_S = 0.0005
+"""On CPU, during a forward, the READs still in flight are looked at again at an attention
+layer's start at most this often: a model of many thin layers pays a few looks per step."""
 _CACHE_ID = re.compile(r"[^A-Za-z0-9._:@+-]")
 
 
@@ -265,8 +268,10 @@ class KvdWorker(NixlPullConnectorWorker):
         copy in the step that reports them finished, before kvd is told)."""
         self._holding = Holding()
         self._landed_early: set[str] = set()
-        """Requests handed to kvd before a step's forward (``hand_off_landed``) that vLLM has
-        not yet reported finished receiving."""
+        """Requests handed to kvd before or during a step's forward (``hand_off_landed``) that
+        vLLM has not yet reported finished receiving."""
+        self._looked_at = 0.0
+        """When ``hand_off_landed`` last looked at the READs in flight (``perf_counter``)."""
         self._fail_when_answered: set[str] = set()
         """Requests handed off early that vLLM then reported failed: kvd may be writing their
         blocks, so they are held until its answer, then reported failed."""
@@ -677,21 +682,28 @@ class KvdWorker(NixlPullConnectorWorker):
                 r: failed for r, failed in self._answered_early.items() if r in recving
             }
 
-    def hand_off_landed(self) -> None:
-        """Before a step's forward: hand kvd the requests whose READs have all landed.
+    def hand_off_landed(self, *, during_forward: bool = False) -> None:
+        """Before a step's forward, and on CPU at its attention layers: hand kvd the requests
+        whose READs have all landed.
 
         vLLM posts READs after the forward and looks at them after the next one, so a READ is
         seen landed a step after it landed; stock vLLM releases the request there, and kvd,
         told only then, answered during the step after and cost each request a step. Told
         here, kvd answers during this forward and the request is released at its end, as
-        stock's. Only requests whose every NIXL handle is done (never while a sibling still
-        writes) and whose ReadDone can be sent now; the rest wait for the step's end as
-        before. A look at each handle's state, nothing that waits."""
+        stock's. A READ still in flight before the forward may land during it: looked at again
+        at each attention layer (``during_forward``, at most every ``LOOK_S``), it is handed
+        off there, and kvd's answer may still come before the step's end. Only requests whose
+        every NIXL handle is done (never while a sibling still writes) and whose ReadDone can
+        be sent now; the rest wait for the step's end as before. A look at each handle's
+        state, nothing that waits."""
         link = self._link
         transfers = self._recving_transfers
         if link is None or link.state is not State.UP or not transfers:
             return
         started = time.perf_counter()
+        if during_forward and started - self._looked_at < LOOK_S:
+            return
+        self._looked_at = started
         self._step_marker = b""
         handed_off = 0
         for req_id, handles in list(transfers.items()):
@@ -709,7 +721,12 @@ class KvdWorker(NixlPullConnectorWorker):
             self._landed_early.add(req_id)
             handed_off += 1
         if handed_off:
-            self.stats.step(time.perf_counter() - started, handed_off, early=True)
+            self.stats.step(
+                time.perf_counter() - started,
+                handed_off,
+                early=True,
+                during_forward=during_forward,
+            )
 
     def _all_done(self, handles: list[int]) -> bool:
         check = self.nixl_wrapper.check_xfer_state
@@ -1003,6 +1020,13 @@ class KvdConnector(NixlPullConnector):
             worker.start_load_kv(connector_metadata)
             worker.stats.reads_before_forward += len(connector_metadata.reqs_to_recv)
         worker.hand_off_landed()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """At each attention layer's start, during the forward: on CPU, hand kvd the requests
+        whose READs landed since the look before it (``hand_off_landed``)."""
+        worker = self.connector_worker
+        if isinstance(worker, KvdWorker) and self._reads_before_forward():
+            worker.hand_off_landed(during_forward=True)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """After the forward: where this step's READs were posted before it

@@ -48,6 +48,7 @@ CONNECTOR_HOOKS = (
     CONNECTOR_INIT,
     Hook("get_mem_pool_context", (), "allocates a CPU worker's KV cache in /dev/shm with it"),
     Hook("start_load_kv", ("forward_context",), "relies on it to start the decode side's READs"),
+    Hook("wait_for_layer_load", ("layer_name",), "hands kvd READs that land during a CPU forward"),
 )
 SCHEDULER_HOOKS = (
     Hook("__init__", ("vllm_config", "engine_id", "kv_cache_config"), "builds the scheduler"),

@@ -43,10 +43,15 @@ class _Figure:
 
 class HandoffStats:
     def __init__(self) -> None:
-        self._steps: deque[tuple[float, int, Released | None, list[int] | None, bool]] = deque()
+        self._steps: deque[tuple[float, int, Released | None, list[int] | None, bool, bool]] = (
+            deque()
+        )
         self.requests = 0
         self.early = 0
-        """Requests handed off before a step's forward (their READs seen landed there)."""
+        """Requests handed off before a step's forward or during it (their READs seen landed
+        there), so that kvd may answer before the step's end."""
+        self.during_forward = 0
+        """Of those, requests handed off during the forward, at an attention layer (CPU)."""
         self.failed = 0
         self.reads_before_forward = 0
         """Requests whose READs were posted before a step's forward (queued there instead when
@@ -68,23 +73,26 @@ class HandoffStats:
         waits: list[int] | None = None,
         *,
         early: bool = False,
+        during_forward: bool = False,
     ) -> None:
         """The engine's thread: one step's cost (``seconds``, when it handed something off),
-        requests handed off (``early``: before the step's forward), those it released (kvd's
-        answers) and the steps each of kvd's answers waited. Their lists become the
-        summary's: pass new ones."""
-        self._steps.append((seconds, handed_off, released, waits, early))
+        requests handed off (``early``: before the step's forward or, ``during_forward``, in
+        it), those it released (kvd's answers) and the steps each of kvd's answers waited.
+        Their lists become the summary's: pass new ones."""
+        self._steps.append((seconds, handed_off, released, waits, early, during_forward))
 
     def absorb(self) -> int:
         """The link's thread: fold in the steps recorded so far; returns a version that moves
         when something was folded in."""
         while self._steps:
-            seconds, handed_off, released, waits, early = self._steps.popleft()
+            seconds, handed_off, released, waits, early, during = self._steps.popleft()
             if handed_off:
                 self.handoff.add(seconds)
             self.requests += handed_off
             if early:
                 self.early += handed_off
+            if during:
+                self.during_forward += handed_off
             if released is not None:
                 self.failed += len(released.failed)
                 for latency in released.latencies_s:
@@ -100,6 +108,7 @@ class HandoffStats:
         return {
             "requests": self.requests,
             "early": self.early,
+            "during_forward": self.during_forward,
             "failed": self.failed,
             "reads_before_forward": self.reads_before_forward,
             "handoff": self.handoff.report(),
