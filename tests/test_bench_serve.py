@@ -11,7 +11,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from kvd.bench.serve import _proxy, load_cores, place, prompt_seed
+import pytest
+
+from kvd.bench.serve import Server, _proxy, load_cores, place, prompt_seed
 from kvd.bench.serve_report import (
     CONNECTORS,
     connector_figures,
@@ -231,6 +233,23 @@ def _children() -> set[int]:
         for task in Path("/proc/self/task").iterdir()
         for pid in (task / "children").read_text().split()
     }
+
+
+@pytest.mark.parametrize(("code", "quiet"), [("time.sleep(60)", True), ("while True: pass", False)])
+def test_a_turn_waits_for_the_other_decode_server_to_go_quiet(
+    code: str, quiet: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Real processes: one asleep is quiet at the first look; one that keeps a core busy is
+    still busy when the wait gives up (a turn then shares the core, and the report says so)."""
+    monkeypatch.setattr("kvd.bench.serve.QUIET_S", 1.5)
+    server = object.__new__(Server)
+    server.proc = subprocess.Popen([sys.executable, "-c", f"import time\n{code}"])
+    try:
+        waited, went_quiet = server.wait_quiet()
+        assert went_quiet is quiet, waited
+    finally:
+        server.proc.kill()
+        server.proc.wait()
 
 
 def test_bad_sizes_are_usage_errors_naming_the_option() -> None:

@@ -48,6 +48,8 @@ START_S = 900
 """The longest wait for a server to answer /health: two start at once on a busy 2-core machine."""
 REQUEST_S = 600
 """The longest wait for one completion through the proxy."""
+QUIET_S = 15
+"""The longest wait, before a turn, for the other decode server to go quiet."""
 KV_LEASE_S = 120
 """The prefill's ``kv_lease_duration``: vLLM's 30 s default frees blocks a decode on a machine
 this loaded may not have read yet (the decode renews the lease while it waits for them)."""
@@ -72,6 +74,8 @@ Where they run: each server's processes on one core, as on a machine of its own,
 prefill's on the first core, the decodes' (which take turns) on the last, kvd on a core
 apart from the decode's (a third core if there is one, else the prefill's: --kvd-core), the
 proxy and the load client off the decode's core (on a spare core if there is one).
+Each turn starts once the other decode server has gone quiet (vLLM's engine keeps polling
+for a second after its last request).
 Targets, on the medians of the runs: throughput >= stock, TTFT p50 <= 1.05x and p99 <= 1.0x
 stock's, ITL p99 <= stock's, e2e p50 <= stock's.
 """
@@ -172,6 +176,22 @@ class Server:
                     key = f"{name}/{stat.name}"
                     seconds[key] = seconds.get(key, 0.0) + stat.cpu_s
         return seconds
+
+    def wait_quiet(self, *, window_s: float = 0.5, busy_s: float = 0.05) -> tuple[float, bool]:
+        """Wait until its processes used under ``busy_s`` CPU seconds in a ``window_s`` (at most
+        ``QUIET_S``); the seconds waited, and whether it went quiet. vLLM's engine core and
+        worker poll each other's queues for a second after their last message
+        (``SpinCondition``): a decode server whose turn just ended keeps the decodes' core busy
+        into the next server's turn."""
+        started = time.monotonic()
+        before = sum(self.thread_cpu().values())
+        while time.monotonic() - started < QUIET_S:
+            time.sleep(window_s)
+            after = sum(self.thread_cpu().values())
+            if after - before < busy_s:
+                return time.monotonic() - started, True
+            before = after
+        return time.monotonic() - started, False
 
     def placement(self) -> str:
         """The CPUs its processes may run on, and where its engine thread runs."""
@@ -467,6 +487,8 @@ def run(args: argparse.Namespace) -> int:
                     # Warm-up on the first run only: later runs reuse warm servers.
                     warmups = args.warmups if index == 0 else 0
                     stats_before = _stats(stats_path) if connector == "kvd" else {}
+                    idle = servers[next(c for c in CONNECTORS if c != connector)]
+                    quiet_wait_s, quiet = idle.wait_quiet()
                     stalls.take()
                     since = time.time()
                     cpu_before = read_cpu(kvd_pid)
@@ -485,6 +507,8 @@ def run(args: argparse.Namespace) -> int:
                         "result": result,
                         "legs": _legs(timings, since),
                         "stalls": stalls.take(),
+                        "quiet_wait_s": round(quiet_wait_s, 2),
+                        "other_busy": not quiet,
                         "kvd_cpu_s": _cpu_seconds(cpu_before, read_cpu(kvd_pid)),
                         "threads_cpu_s": {
                             n: _used(threads_before[n], s.thread_cpu()) for n, s in servers.items()

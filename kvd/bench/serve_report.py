@@ -89,6 +89,8 @@ def connector_figures(connector: str, measured: dict[str, Any]) -> dict[str, Any
     )
     figures["prefill_leg_max_ms"] = 1000 * max((leg["prefill_s"] for leg in legs), default=0.0)
     figures["worst_stall_s"] = max(measured.get("stalls", {}).values(), default=0.0)
+    figures["quiet_wait_s"] = float(measured.get("quiet_wait_s", 0.0))
+    figures["other_busy"] = bool(measured.get("other_busy", False))
     figures["kvd_cpu_s"] = measured.get("kvd_cpu_s", 0.0)
     threads = measured.get("threads_cpu_s", {})
     figures["prefill_cpu_s"] = sum(threads.get("prefill", {}).values())
@@ -255,6 +257,16 @@ def table(report: dict[str, Any], args: argparse.Namespace) -> list[str]:
         lines.append(
             f"  WARNING: the machine kept a ready thread off its core for {worst:.1f}s during a "
             "timed run: those figures measure the machine"
+        )
+    quiet = max(r[c].get("quiet_wait_s", 0.0) for r in runs for c in CONNECTORS)
+    if any(r[c].get("other_busy") for r in runs for c in CONNECTORS):
+        lines.append(
+            "  WARNING: before a turn the other decode server still used its core after "
+            f"{quiet:.0f}s: that turn shared the core"
+        )
+    elif quiet:
+        lines.append(
+            f"  before each turn the other decode server went quiet (waited up to {quiet:.1f}s)"
         )
     if report["stale_reads"]:
         lines.append("  WARNING: the prefill logged reads of blocks past their lease")
